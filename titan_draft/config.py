@@ -1,0 +1,156 @@
+"""titan_draft's sections of torchtitan's TOML JobConfig, and the checks run before any process group.
+
+torchtitan merges this module's `JobConfig` into its own when a TOML file (or the CLI) sets
+`[job] custom_config_module = "titan_draft.config"`. Every key of ours lives in [task], [draft],
+[rl] or [rollout]; torchtitan's own sections ([model], [training], [parallelism], ...) keep their
+meaning.
+"""
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Task:
+    name: Literal["sort"] = "sort"
+    """The synthetic verifiable task (see titan_draft/task.py)."""
+    num_items: int = 10
+    """Letters per problem."""
+    alphabet_size: int = 16
+    """Distinct letters the problems draw from."""
+    sft_swap_prob: float = 0.25
+    """Probability that SFT data swaps an adjacent answer pair: a systematic error RL must undo."""
+
+
+@dataclass
+class Draft:
+    mode: Literal["cotrain", "frozen", "none"] = "cotrain"
+    """cotrain: update the draft inside every RL step; frozen: keep the warm-start draft; none: no speculation."""
+    tap_layers: list[int] = field(default_factory=list)
+    """Policy layers whose outputs feed the draft; empty = (1, L//2-1, L-4) as in EAGLE-3."""
+    ttt_steps: int = 3
+    """Training-time-test passes D."""
+    vocab_size: int = 0
+    """Draft vocabulary: the most frequent target tokens; 0 = the policy's whole vocabulary."""
+    n_heads: int = 0
+    """Draft attention heads; 0 = the policy's."""
+    n_kv_heads: int = 0
+    """Draft key/value heads; 0 = the policy's."""
+    loss_weight: float = 1.0
+    """Weight of the draft loss in the co-training step (it has its own optimizer and parameters)."""
+    pass_decay: float = 0.8
+    """Pass d is weighted pass_decay**(d-1)."""
+    lr: float = 1e-3
+    """Draft learning rate (AdamW) for warm-up and co-training."""
+    max_norm: float = 1.0
+    """Gradient-norm clip of the draft's parameter group."""
+    warmup_steps: int = 200
+    """Offline draft training steps on the SFT policy's taps before RL."""
+
+
+@dataclass
+class RL:
+    sft_steps: int = 300
+    """Supervised warm start of the policy on the task."""
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 32
+    prompts_per_step: int = 32
+    """Prompts per RL step; each is sampled group_size times."""
+    group_size: int = 8
+    lr: float = 3e-4
+    """Policy learning rate during RL."""
+    clip_eps: float = 0.2
+    """PPO/GRPO clip range of the importance ratio."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference (start-of-RL) policy; 0 disables it."""
+
+
+@dataclass
+class Rollout:
+    num_speculative_tokens: int = 4
+    """Draft tokens K proposed per verify forward."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 0
+    """0 = the task's answer length + 2."""
+
+
+@dataclass
+class JobConfig:
+    task: Task = field(default_factory=Task)
+    draft: Draft = field(default_factory=Draft)
+    rl: RL = field(default_factory=RL)
+    rollout: Rollout = field(default_factory=Rollout)
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key and the fix."""
+
+
+def parse_config(args: list[str]):
+    """torchtitan's parser (TOML < CLI) with this module's sections always merged in."""
+    from torchtitan.config import ConfigManager
+
+    if not any(a.startswith(("--job.custom_config_module", "--job.custom-config-module")) for a in args):
+        args = [*args, "--job.custom_config_module", __name__]
+    return ConfigManager().parse_args(args)
+
+
+def default_tap_layers(n_layers: int) -> list[int]:
+    return sorted({1, n_layers // 2 - 1, n_layers - 4})
+
+
+def tap_layers(cfg, n_layers: int) -> list[int]:
+    return list(cfg.draft.tap_layers) or default_tap_layers(n_layers)
+
+
+def validate(cfg, world_size: int, n_layers: int, vocab_size: int) -> None:
+    """Raise ConfigError (one line: key, value, allowed range, fix) for settings that cannot work.
+
+    Runs before any process group exists, so a bad config never half-starts a job.
+    """
+
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ConfigError(msg)
+
+    d, rl, ro, p = cfg.draft, cfg.rl, cfg.rollout, cfg.parallelism
+    layers = tap_layers(cfg, n_layers)
+    for layer in layers:
+        need(0 <= layer < n_layers, f"draft.tap_layers: layer {layer} is out of range 0..{n_layers - 1} "
+             f"for a {n_layers}-layer policy; pick layers in 0..{n_layers - 1}")
+    need(len(set(layers)) == len(layers) and layers == sorted(layers),
+         f"draft.tap_layers: {layers} must be distinct and ascending; e.g. {sorted(set(layers))}")
+    need(d.ttt_steps >= 1, f"draft.ttt_steps: {d.ttt_steps} must be >= 1")
+    need(0 <= d.vocab_size <= vocab_size, f"draft.vocab_size: {d.vocab_size} is larger than the policy's "
+         f"vocabulary ({vocab_size}); use 1..{vocab_size} (0 = all)")
+    need(d.pass_decay > 0, f"draft.pass_decay: {d.pass_decay} must be > 0")
+    need(d.lr > 0 and d.loss_weight >= 0, "draft.lr must be > 0 and draft.loss_weight >= 0")
+    need(rl.group_size >= 2, f"rl.group_size: {rl.group_size} must be >= 2 (GRPO compares samples of one prompt)")
+    need(rl.prompts_per_step >= 1, f"rl.prompts_per_step: {rl.prompts_per_step} must be >= 1")
+    need(ro.num_speculative_tokens >= 1, f"rollout.num_speculative_tokens: {ro.num_speculative_tokens} must be >= 1")
+    need(ro.temperature >= 0, f"rollout.temperature: {ro.temperature} must be >= 0 (0 = greedy)")
+    need(0 < ro.top_p <= 1, f"rollout.top_p: {ro.top_p} must be in (0, 1]")
+
+    degrees = {
+        "parallelism.data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
+        "parallelism.context_parallel_degree": p.context_parallel_degree,
+        "parallelism.pipeline_parallel_degree": p.pipeline_parallel_degree,
+    }
+    product = 1
+    for key, value in degrees.items():
+        need(value >= 1, f"{key}: {value} must be >= 1")
+        product *= value
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        need(world_size % product == 0, f"parallelism: replicate x tp x cp x pp = {product} does not divide "
+             f"the world size {world_size}; change the degrees or NGPU")
+    else:
+        need(shard >= 1 and shard * product == world_size,
+             f"parallelism.data_parallel_shard_degree: {shard} x (replicate x tp x cp x pp = {product}) "
+             f"= {shard * product} != world size {world_size}; set it to {world_size // product} or -1")
+    cp = p.context_parallel_degree
+    need(cfg.training.seq_len % (2 * cp) == 0, f"training.seq_len: {cfg.training.seq_len} is not divisible by "
+         f"2 * context_parallel_degree = {2 * cp}; use a multiple of {2 * cp}")
+    pp = p.pipeline_parallel_degree
+    need(pp <= n_layers, f"parallelism.pipeline_parallel_degree: {pp} exceeds the policy's {n_layers} layers")

@@ -1,0 +1,151 @@
+"""The policy: a torchtitan llama3 / qwen3 model that runs packed documents and exposes its taps.
+
+Two small changes to a plain torchtitan model, both reversible and both invisible to FSDP/TP/PP:
+- every attention's inner op becomes `PackedAttention` (causal within each document, through
+  titan_draft.ops.branch_attention with no branch; context parallelism swaps in its ring op);
+- `TapRecorder` hooks record the token embeddings and the outputs of the tap layers, detached.
+"""
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from titan_draft import _compat  # noqa: F401  (before torchtitan)
+from torchtitan.models.attention import VarlenMetadata
+
+from titan_draft.packing import PackedBatch
+
+# Small flavors for laptops and CI; torchtitan's own flavors ("debugmodel", "8B", ...) work too.
+TINY_FLAVORS = {
+    "tiny": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=32, multiple_of=32),
+    "tiny_gqa": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=32, multiple_of=16),
+    "small": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=32, multiple_of=64),
+}
+
+
+def model_args(name: str, flavor: str, max_seq_len: int):
+    """torchtitan model args for (name, flavor), set up for packed varlen attention."""
+    if name == "llama3":
+        from torchtitan.models.llama3 import TransformerModelArgs, llama3_args as registry
+    elif name == "qwen3":
+        from torchtitan.models.qwen3 import Qwen3ModelArgs as TransformerModelArgs, qwen3_args as registry
+    else:
+        raise ValueError(f"model.name: '{name}' is not supported; use 'llama3' or 'qwen3'")
+    if flavor in TINY_FLAVORS:
+        extra = dict(TINY_FLAVORS[flavor])
+        if name == "qwen3":
+            extra.pop("multiple_of")
+            extra.update(head_dim=extra["dim"] // extra["n_heads"], hidden_dim=3 * extra["dim"],
+                         enable_weight_tying=False)
+        args = TransformerModelArgs(**extra)
+    elif flavor in registry:
+        args = registry[flavor]
+    else:
+        raise ValueError(f"model.flavor: '{flavor}' is unknown; use one of {sorted(TINY_FLAVORS) + sorted(registry)}")
+    args.max_seq_len = max_seq_len
+    args.attn_type, args.attn_mask_type = "varlen", "block_causal"
+    if name == "qwen3":
+        args.enable_weight_tying = False  # tied embeddings break FSDP and pipelining in torchtitan 0.2.2
+    return args
+
+
+def build_policy(name: str, flavor: str, max_seq_len: int, seed: int | None = None) -> nn.Module:
+    """A freshly initialised policy on the current device, with packed attention installed."""
+    if name == "llama3":
+        from torchtitan.models.llama3 import Transformer as Model
+    else:
+        from torchtitan.models.qwen3 import Qwen3Model as Model
+    args = model_args(name, flavor, max_seq_len)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device(_compat.device()):
+        model = Model(args)
+    with torch.no_grad():
+        model.init_weights()
+    install_packed_attention(model)
+    return model
+
+
+AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class PackedAttention(nn.Module):
+    """torchtitan's varlen inner-attention slot, served by titan_draft's own ops.
+
+    `attn_fn(q, k, v, cu_seqlens=...) -> (out, lse)` with q [T, H, D]; by default the branch
+    attention op with no branch (plain causal attention per document, any device);
+    context parallelism replaces it with its ring op.
+    """
+
+    def __init__(self, attn_fn: AttentionFn | None = None):
+        super().__init__()
+        self.attn_fn = attn_fn
+
+    def forward(self, xq, xk, xv, attention_masks: VarlenMetadata, scale=None):
+        from titan_draft.ops import branch_attention
+
+        fn = self.attn_fn or branch_attention
+        # [B, H, S, D] -> [B*S, H, D]: documents are packed along the token dim.
+        q, k, v = (x.transpose(1, 2).flatten(0, 1) for x in (xq, xk, xv))
+        out, _ = fn(q, k, v, cu_seqlens=attention_masks.cu_seq_q, scale=scale)
+        return out
+
+
+def attention_modules(model: nn.Module):
+    return [m for m in model.modules() if hasattr(m, "inner_attention") and hasattr(m, "attn_type")]
+
+
+def install_packed_attention(model: nn.Module, attn_fn: AttentionFn | None = None) -> None:
+    for attention in attention_modules(model):
+        attention.inner_attention = PackedAttention(attn_fn)
+
+
+def varlen_metadata(batch: PackedBatch) -> VarlenMetadata:
+    return VarlenMetadata(batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen)
+
+
+def forward_packed(model: nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """Logits [T, V] (or the last hidden state on a non-final pipeline stage)."""
+    out = model(batch.tokens[None], attention_masks=varlen_metadata(batch), positions=batch.positions[None])
+    return out[0]
+
+
+class TapRecorder:
+    """Records, detached, the token embeddings and the outputs of the tap layers of a forward.
+
+    Hooks the modules that sit in `model.layers[str(i)]` when it is entered, so activation
+    checkpoint wrappers, FSDP and pipeline splits (a stage holds some layers, or none) all work.
+    Use: `with TapRecorder(model, layers) as rec: logits = forward_packed(...)`, then
+    `rec.embeddings()` [T, H] and `rec.taps()` [T, len(layers) * H].
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
+        self.model, self.layer_ids = model, list(layer_ids)
+        self.outputs: dict[str, torch.Tensor] = {}
+        self._handles = []
+
+    def _record(self, key: str):
+        def hook(_module, _inputs, output):
+            self.outputs[key] = output.detach()[0]
+
+        return hook
+
+    def __enter__(self):
+        self.outputs.clear()
+        layers = self.model.layers
+        targets = {f"layer{i}": layers[str(i)] for i in self.layer_ids if str(i) in layers}
+        if getattr(self.model, "tok_embeddings", None) is not None:
+            targets["embed"] = self.model.tok_embeddings
+        self._handles = [m.register_forward_hook(self._record(k)) for k, m in targets.items()]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def embeddings(self) -> torch.Tensor:
+        return self.outputs["embed"]
+
+    def taps(self) -> torch.Tensor:
+        return torch.cat([self.outputs[f"layer{i}"] for i in self.layer_ids], dim=-1)
