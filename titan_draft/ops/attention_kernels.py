@@ -1,0 +1,384 @@
+"""Block-level attention primitives over packed documents, with backend dispatch.
+
+Conventions shared by every function here:
+- Packed layout: q [Tq, Hq, D], k/v [Tk, Hkv, D]; documents are given by int32 cumulative
+  boundaries cu_q / cu_k of the same length N+1. Query head h reads key/value head
+  h // (Hq // Hkv) (grouped-query attention, as in FlashAttention and SDPA).
+- lse is the natural-log softmax normaliser, [Hq, Tq]. It is float32, or float64 when the
+  inputs are float64 (so that float64 tests stay exact). Rows that see no key have out = 0 and
+  lse = -inf.
+- Backward functions take the FINAL out/lse of a larger attention (several blocks merged with
+  merge_attn): that is what makes per-block gradients exact (DESIGN.md section 3).
+- Gradients come back in the dtype of the tensor they belong to (dq in q's dtype, dk/dv in
+  k's dtype). A caller that sums dk/dv over many blocks (the ring) should accumulate in float32
+  itself: upcast each block's result, or pass float32 k/v to the math backend.
+
+Backends for attn_forward / attn_backward, chosen by TITAN_DRAFT_ATTN_BACKEND
+(auto | flash_attn | torch_varlen | math; read at every call):
+- flash_attn:   the flash-attn package's varlen kernels (CUDA, fp16/bf16).
+- torch_varlen: PyTorch's own FlashAttention-2 varlen kernels, the aten ops that
+                torch.nn.attention.varlen.varlen_attn wraps (CUDA, fp16/bf16).
+- math:         plain PyTorch, one document at a time, softmax in float32 (or float64);
+                any device and dtype. Memory O(longest document ** 2) per head.
+auto picks the first of these that can run the given tensors.
+"""
+import inspect
+import math
+import os
+import warnings
+
+import torch
+
+BACKENDS = ("flash_attn", "torch_varlen", "math")
+_BACKEND_ENV = "TITAN_DRAFT_ATTN_BACKEND"
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_INF = math.inf
+
+
+def available_backends() -> list[str]:
+    """Backends that can run in this process (on suitable tensors), best first."""
+    names = []
+    if torch.cuda.is_available():
+        if _flash_attn_module() is not None:
+            names.append("flash_attn")
+        if torch.backends.cuda.is_flash_attention_available():
+            names.append("torch_varlen")
+    names.append("math")
+    return names
+
+
+def _flash_attn_module():
+    try:
+        import flash_attn.flash_attn_interface as interface
+    except ImportError:
+        return None
+    return interface
+
+
+def _fits_flash_kernel(q: torch.Tensor) -> bool:
+    head_dim = q.shape[-1]
+    return q.is_cuda and q.dtype in _FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
+
+
+def _select_backend(q: torch.Tensor) -> str:
+    requested = os.environ.get(_BACKEND_ENV, "auto")
+    if requested not in ("auto", *BACKENDS):
+        raise ValueError(f"{_BACKEND_ENV}={requested!r}: expected auto or one of {BACKENDS}")
+    available = available_backends()
+    if requested == "auto":
+        return next(b for b in available if b == "math" or _fits_flash_kernel(q))
+    if requested not in available:
+        raise ValueError(f"{_BACKEND_ENV}={requested}, but only {available} can run here")
+    if requested != "math" and not _fits_flash_kernel(q):
+        raise ValueError(
+            f"backend {requested} needs CUDA fp16/bf16 tensors with head_dim % 8 == 0 and <= 256;"
+            f" got {q.device} {q.dtype} head_dim {q.shape[-1]}"
+        )
+    return requested
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax arithmetic in float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _check_blocks(q, k, v, cu_q, cu_k):
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"expected q [Tq, Hq, D], k = v [Tk, Hkv, D]; got {q.shape}, "
+                         f"{k.shape}, {v.shape}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads {q.shape[1]} must be a multiple of kv heads {k.shape[1]}")
+    if cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32 or cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_q / cu_k must be int32 of equal length; got {cu_q.dtype} "
+                         f"{tuple(cu_q.shape)}, {cu_k.dtype} {tuple(cu_k.shape)}")
+
+
+def _no_key_result(q: torch.Tensor):
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), -_INF, dtype=_compute_dtype(q.dtype), device=q.device)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Public block primitives
+# ---------------------------------------------------------------------------------------------
+
+
+def attn_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    """Varlen attention of q against k/v, document by document. Returns (out, lse).
+
+    out [Tq, Hq, D] in q's dtype, lse [Hq, Tq]. When causal, cu_q must equal cu_k (queries and
+    keys of a document are the same rows; query i sees keys 0..i of its document).
+    """
+    _check_blocks(q, k, v, cu_q, cu_k)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return _no_key_result(q)
+    backend = _select_backend(q)
+    if backend == "math":
+        return _math_forward(q, k, v, cu_q, cu_k, causal, scale)
+    if backend == "torch_varlen":
+        return _torch_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+    return _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+
+
+def attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
+                  scale: float):
+    """Gradients (dq, dk, dv) of this block, computed with the GIVEN (final, merged) out and lse.
+
+    The softmax-jacobian term uses rowsum(dout * out) of the given out. The flash backends read
+    out in q's dtype (a merged float32 out is rounded to it first, as every FA2 backward does).
+    """
+    _check_blocks(q, k, v, cu_q, cu_k)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    backend = _select_backend(q)
+    if backend == "math":
+        return _math_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+    if backend == "torch_varlen":
+        return _torch_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
+                                      scale)
+    return _flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+
+
+def merge_attn(out_a, lse_a, out_b, lse_b):
+    """Exact merge of two attentions over disjoint key sets: (out [T, H, D], lse [H, T]).
+
+    Computed in float32 (float64 for float64 inputs); -inf on either side (no keys there) is
+    fine, and rows with no key on both sides stay out = 0, lse = -inf.
+    """
+    dtype = _compute_dtype(torch.promote_types(out_a.dtype, out_b.dtype))
+    lse_a, lse_b = lse_a.to(dtype), lse_b.to(dtype)
+    lse = torch.logaddexp(lse_a, lse_b)
+    # Weights exp(lse_x - lse) <= 1 never overflow; a row with lse = -inf has both weights 0.
+    finite_lse = lse.masked_fill(lse == -_INF, 0.0)
+    weight_a = torch.exp(lse_a - finite_lse).T.unsqueeze(-1)
+    weight_b = torch.exp(lse_b - finite_lse).T.unsqueeze(-1)
+    out = out_a.to(dtype) * weight_a + out_b.to(dtype) * weight_b
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagonal branch: query row t sees branch_k[p, t] for every p, nothing else
+# ---------------------------------------------------------------------------------------------
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[..., Hq, D] -> [..., Hkv, G, D]: query heads grouped by the kv head they read."""
+    return x.unflatten(-2, (kv_heads, -1))
+
+
+def _branch_probs(q, branch_k, lse, scale):
+    """Scores of the diagonal keys and their probabilities exp(s - lse): both [P, T, Hkv, G]."""
+    dtype = _compute_dtype(q.dtype)
+    q_grouped = _grouped(q.to(dtype), branch_k.shape[2])
+    scores = torch.einsum("thgd,pthd->pthg", q_grouped, branch_k.to(dtype)) * scale
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=0)
+    else:
+        lse = lse.to(dtype).T.unflatten(-1, (branch_k.shape[2], -1))
+    finite_lse = lse.masked_fill(lse == -_INF, 0.0)
+    return torch.exp(scores - finite_lse), lse
+
+
+def branch_forward(q, branch_k, branch_v, scale: float):
+    """Attention of each query row over its P diagonal branch keys. Returns (out, lse).
+
+    q [T, Hq, D], branch_k/v [P, T, Hkv, D]. out [T, Hq, D] and lse [Hq, T] in float32 (float64
+    for float64 inputs): the branch is only ever merged with the trunk, which needs that
+    precision. P = 0 gives out = 0, lse = -inf.
+    """
+    probs, lse = _branch_probs(q, branch_k, None, scale)
+    out = torch.einsum("pthg,pthd->thgd", probs, branch_v.to(probs.dtype))
+    return out.flatten(1, 2), lse.flatten(1, 2).T.contiguous()
+
+
+def branch_backward(dout, q, branch_k, branch_v, out, lse, scale: float):
+    """Closed-form gradients (dq, dbranch_k, dbranch_v) of the branch part, given the FINAL
+    out/lse: w = exp(s - lse); dv_b = w dout; ds = w (<dout, v_b> - <dout, out>);
+    dq = scale sum_p ds k_b; dk_b = scale ds q.
+    """
+    kv_heads, branch_dtype = branch_k.shape[2], branch_k.dtype
+    probs, _ = _branch_probs(q, branch_k, lse, scale)
+    dtype = probs.dtype
+    dout_g = _grouped(dout.to(dtype), kv_heads)
+    q_g = _grouped(q.to(dtype), kv_heads)
+    row_delta = (dout_g * _grouped(out.to(dtype), kv_heads)).sum(-1)  # [T, Hkv, G]
+    dprobs = torch.einsum("thgd,pthd->pthg", dout_g, branch_v.to(dtype))
+    dscores = probs * (dprobs - row_delta) * scale
+    dq = torch.einsum("pthg,pthd->thgd", dscores, branch_k.to(dtype)).flatten(1, 2)
+    dbranch_k = torch.einsum("pthg,thgd->pthd", dscores, q_g)
+    dbranch_v = torch.einsum("pthg,thgd->pthd", probs, dout_g)
+    return dq.to(q.dtype), dbranch_k.to(branch_dtype), dbranch_v.to(branch_v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# math backend: plain PyTorch, one document at a time
+# ---------------------------------------------------------------------------------------------
+
+
+def _document_spans(cu_q, cu_k, causal):
+    """(query rows, key rows) of every document that has both queries and keys."""
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
+        if causal and (q0, q1) != (k0, k1):
+            raise ValueError("causal attention needs cu_q == cu_k")
+        if q1 > q0 and k1 > k0:
+            yield slice(q0, q1), slice(k0, k1)
+
+
+def _document_probs(q_doc, k_doc, lse_doc, causal, scale):
+    """Scores and probabilities of one document, [Hkv, G, Lq, Lk]; lse_doc None = compute it."""
+    scores = torch.einsum("qhgd,khd->hgqk", _grouped(q_doc, k_doc.shape[1]), k_doc) * scale
+    if causal:
+        length = q_doc.shape[0]
+        future = torch.ones(length, length, dtype=torch.bool, device=q_doc.device).triu(1)
+        scores = scores.masked_fill(future, -_INF)
+    if lse_doc is None:
+        lse_doc = torch.logsumexp(scores, dim=-1)
+    finite_lse = lse_doc.masked_fill(lse_doc == -_INF, 0.0)
+    return torch.exp(scores - finite_lse.unsqueeze(-1)), lse_doc
+
+
+def _math_forward(q, k, v, cu_q, cu_k, causal, scale):
+    dtype = _compute_dtype(q.dtype)
+    out, lse = _no_key_result(q)
+    for rows_q, rows_k in _document_spans(cu_q, cu_k, causal):
+        probs, lse_doc = _document_probs(q[rows_q].to(dtype), k[rows_k].to(dtype), None, causal,
+                                         scale)
+        out_doc = torch.einsum("hgqk,khd->qhgd", probs, v[rows_k].to(dtype))
+        out[rows_q] = out_doc.flatten(1, 2).to(q.dtype)
+        lse[:, rows_q] = lse_doc.flatten(0, 1)
+    return out, lse
+
+
+def _math_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
+    dtype = _compute_dtype(q.dtype)
+    kv_heads = k.shape[1]
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+    for rows_q, rows_k in _document_spans(cu_q, cu_k, causal):
+        q_doc, k_doc, v_doc = q[rows_q].to(dtype), k[rows_k].to(dtype), v[rows_k].to(dtype)
+        lse_doc = lse[:, rows_q].to(dtype).unflatten(0, (kv_heads, -1))
+        probs, _ = _document_probs(q_doc, k_doc, lse_doc, causal, scale)
+        dout_doc = _grouped(dout[rows_q].to(dtype), kv_heads)
+        row_delta = (dout_doc * _grouped(out[rows_q].to(dtype), kv_heads)).sum(-1)  # [Lq, Hkv, G]
+        dprobs = torch.einsum("qhgd,khd->hgqk", dout_doc, v_doc)
+        dscores = probs * (dprobs - row_delta.permute(1, 2, 0).unsqueeze(-1)) * scale
+        dq[rows_q] = torch.einsum("hgqk,khd->qhgd", dscores, k_doc).flatten(1, 2)
+        dk[rows_k] = torch.einsum("hgqk,qhgd->khd", dscores, _grouped(q_doc, kv_heads))
+        dv[rows_k] = torch.einsum("hgqk,qhgd->khd", probs, dout_doc)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA backends. Both run FlashAttention-2 varlen kernels, which mark a query row with no key by
+# lse = +inf (so that exp(s - lse) = 0 in their backward): translate to and from our -inf.
+# ---------------------------------------------------------------------------------------------
+
+
+def _lse_from_flash(lse, q):
+    if tuple(lse.shape) != (q.shape[1], q.shape[0]):
+        raise RuntimeError(f"flash kernel returned lse of shape {tuple(lse.shape)}; expected the "
+                           f"unpadded varlen layout {(q.shape[1], q.shape[0])}")
+    return lse.masked_fill(lse == _INF, -_INF)
+
+
+def _lse_to_flash(lse):
+    return lse.float().masked_fill(lse == -_INF, _INF).contiguous()
+
+
+def _expand_kv_heads(x, groups):
+    return x.repeat_interleave(groups, dim=1)
+
+
+def _reduce_kv_heads(dx, groups):
+    return dx.unflatten(1, (-1, groups)).sum(2)
+
+
+_torch_flash_needs_expanded_kv = False
+
+
+def _with_kv_heads_fallback(kernel, q, k, v):
+    """Run kernel(k, v) with native GQA; if PyTorch's flash kernel refuses Hkv < Hq, run it on
+    kv heads repeated to Hq from then on (reducing dk/dv back is the caller's job)."""
+    global _torch_flash_needs_expanded_kv
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and not _torch_flash_needs_expanded_kv:
+        try:
+            return kernel(k, v), 1
+        except RuntimeError as error:
+            warnings.warn(f"PyTorch flash kernel refused GQA ({error}); expanding kv heads")
+            _torch_flash_needs_expanded_kv = True
+    if groups == 1:
+        return kernel(k, v), 1
+    return kernel(_expand_kv_heads(k, groups), _expand_kv_heads(v, groups)), groups
+
+
+def _torch_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    # The op varlen_attn calls (torch 2.11 and 2.13): positional schema (q, k, v, cu_q, cu_k,
+    # max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale, ...) -> (out, lse, ...).
+    def kernel(k_, v_):
+        return torch.ops.aten._flash_attention_forward(
+            q.contiguous(), k_.contiguous(), v_.contiguous(), cu_q, cu_k, max_q, max_k, 0.0,
+            causal, False, scale=scale)
+
+    (out, lse, *_), _ = _with_kv_heads_fallback(kernel, q, k, v)
+    return out, _lse_from_flash(lse, q)
+
+
+def _torch_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    # Without dropout the kernel never reads the rng state; pass what varlen.py passes.
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty(0, device=q.device)
+
+    def kernel(k_, v_):
+        return torch.ops.aten._flash_attention_backward(
+            dout.to(q.dtype).contiguous(), q.contiguous(), k_.contiguous(), v_.contiguous(),
+            out.to(q.dtype).contiguous(), _lse_to_flash(lse), cu_q, cu_k, max_q, max_k, 0.0,
+            causal, rng_state, unused, scale=scale)
+
+    (dq, dk, dv), groups = _with_kv_heads_fallback(kernel, q, k, v)
+    if groups > 1:
+        dk, dv = _reduce_kv_heads(dk, groups), _reduce_kv_heads(dv, groups)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _call_flash_attn(function, window_size, **kwargs):
+    """Call a flash-attn internal with the keywords its installed version knows: the window is a
+    tuple in flash-attn < 2.6 and two ints after; softcap etc. only exist in newer versions."""
+    signature = inspect.signature(getattr(function, "_init_fn", function))
+    kwargs.update(window_size=window_size, window_size_left=window_size[0],
+                  window_size_right=window_size[1], softcap=0.0, alibi_slopes=None,
+                  block_table=None)
+    return function(**{name: value for name, value in kwargs.items()
+                       if name in signature.parameters})
+
+
+def _flash_window(causal):
+    return (-1, 0) if causal else (-1, -1)
+
+
+def _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    interface = _flash_attn_module()
+    result = _call_flash_attn(
+        interface._flash_attn_varlen_forward, _flash_window(causal),
+        q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0,
+        softmax_scale=scale, causal=causal, return_softmax=False)
+    # flash-attn >= 2.6 returns (out, lse, S_dmask, rng_state); 2.5 returns
+    # (out, q, k, v, out_padded, lse, S_dmask, rng_state): lse is third from the end in both.
+    return result[0], _lse_from_flash(result[-3], q)
+
+
+def _flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    interface = _flash_attn_module()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _call_flash_attn(
+        interface._flash_attn_varlen_backward, _flash_window(causal),
+        dout=dout.to(q.dtype).contiguous(), q=q.contiguous(), k=k.contiguous(),
+        v=v.contiguous(), out=out.to(q.dtype).contiguous(), softmax_lse=_lse_to_flash(lse),
+        dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+        max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
+        deterministic=False, rng_state=None)
+    return dq, dk, dv

@@ -1,0 +1,148 @@
+"""Branch attention of the multi-pass draft (DESIGN.md sections 2 and 3).
+
+The pass-d query at anchor t sees the pass-1 keys of its document at anchors <= t (the trunk:
+causal varlen attention) and the same-anchor key of each later pass (the branch: a diagonal,
+P keys per query). branch_attention computes the trunk with the flash primitives, the branch in
+closed form, and merges both through their log-sum-exp; branch_attention_reference is the same
+thing written densely, to check it against.
+"""
+import torch
+
+from titan_draft.ops.attention_kernels import (
+    attn_backward,
+    attn_forward,
+    branch_backward,
+    branch_forward,
+    merge_attn,
+)
+
+# The branch and the merge run in float32 on this many query rows at a time, so their
+# temporaries stay bounded however long the packed sequence is.
+ROWS_PER_CHUNK = 16384
+
+
+def _validate(q, k, v, branch_k, branch_v, cu_seqlens):
+    """Check shapes; return (cu_seqlens on q's device, longest document, P)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, Dh], got shape {tuple(q.shape)}")
+    tokens, q_heads, head_dim = q.shape
+    if k.dim() != 3 or k.shape != v.shape or k.shape[0] != tokens or k.shape[2] != head_dim:
+        raise ValueError(f"k and v must both be [T, Hkv, Dh] = [{tokens}, Hkv, {head_dim}], "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    kv_heads = k.shape[1]
+    if q_heads % kv_heads != 0:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of kv heads ({kv_heads})")
+    if (branch_k is None) != (branch_v is None):
+        raise ValueError("give both branch_k and branch_v, or neither")
+    passes = 0
+    if branch_k is not None:
+        expected = (branch_k.shape[0], tokens, kv_heads, head_dim)
+        if branch_k.dim() != 4 or tuple(branch_k.shape) != expected or branch_v.shape != branch_k.shape:
+            raise ValueError(f"branch_k and branch_v must both be [P, T, Hkv, Dh] = [P, {tokens}, "
+                             f"{kv_heads}, {head_dim}], got {tuple(branch_k.shape)} and "
+                             f"{tuple(branch_v.shape)}")
+        passes = branch_k.shape[0]
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32)
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor [N+1], got {cu_seqlens.dtype} "
+                         f"of shape {tuple(cu_seqlens.shape)}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != tokens:
+        raise ValueError(f"cu_seqlens must run from 0 to T = {tokens}, got {bounds[0]} .. "
+                         f"{bounds[-1]}")
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    if min(lengths) < 0:
+        raise ValueError("cu_seqlens must be non-decreasing")
+    return cu_seqlens.to(q.device), max(lengths), passes
+
+
+def _row_chunks(tokens):
+    for start in range(0, tokens, ROWS_PER_CHUNK):
+        yield slice(start, min(start + ROWS_PER_CHUNK, tokens))
+
+
+class _BranchAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, branch_k, branch_v, cu_seqlens, max_len, scale):
+        out, lse = attn_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, True, scale)
+        if branch_k is not None and branch_k.shape[0] > 0:
+            for rows in _row_chunks(q.shape[0]):
+                out_branch, lse_branch = branch_forward(q[rows], branch_k[:, rows],
+                                                        branch_v[:, rows], scale)
+                out_rows, lse_rows = merge_attn(out[rows], lse[:, rows], out_branch, lse_branch)
+                out[rows] = out_rows.to(out.dtype)
+                lse[:, rows] = lse_rows
+        ctx.save_for_backward(q, k, v, branch_k, branch_v, cu_seqlens, out, lse)
+        ctx.max_len, ctx.scale = max_len, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, branch_k, branch_v, cu_seqlens, out, lse = ctx.saved_tensors
+        max_len, scale = ctx.max_len, ctx.scale
+        # Both parts see the final out/lse: that is what makes the split exact.
+        dq, dk, dv = attn_backward(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_len,
+                                   max_len, True, scale)
+        if branch_k is None:
+            return dq, dk, dv, None, None, None, None, None
+        dbranch_k, dbranch_v = torch.zeros_like(branch_k), torch.zeros_like(branch_v)
+        if branch_k.shape[0] > 0:
+            for rows in _row_chunks(q.shape[0]):
+                dq_branch, dbranch_k[:, rows], dbranch_v[:, rows] = branch_backward(
+                    dout[rows], q[rows], branch_k[:, rows], branch_v[:, rows], out[rows],
+                    lse[:, rows], scale)
+                dq[rows] += dq_branch
+        return dq, dk, dv, dbranch_k, dbranch_v, None, None, None
+
+
+def branch_attention(q, k, v, branch_k=None, branch_v=None, cu_seqlens=None, scale=None):
+    """Trunk (causal within each packed document) plus diagonal branch attention.
+
+    q [T, Hq, Dh]; k, v [T, Hkv, Dh] pass-1 keys/values; branch_k, branch_v [P, T, Hkv, Dh] or
+    None (P may be 0): query row t also sees branch_k[p, t] for every p. cu_seqlens int32 [N+1]
+    document boundaries (None = one document). scale defaults to Dh ** -0.5.
+    Returns out [T, Hq, Dh] in q's dtype and lse [Hq, T] (float32; float64 for float64 inputs).
+    Differentiable w.r.t. q, k, v, branch_k, branch_v through out; lse is returned for
+    inspection and is marked non-differentiable (no gradient flows back through it).
+    Memory beyond inputs and outputs: the flash kernels' O(T) plus float32 branch temporaries of
+    ROWS_PER_CHUNK rows.
+    """
+    cu_seqlens, max_len, _ = _validate(q, k, v, branch_k, branch_v, cu_seqlens)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _BranchAttention.apply(q, k, v, branch_k, branch_v, cu_seqlens, max_len, scale)
+
+
+def branch_attention_reference(q, k, v, branch_k=None, branch_v=None, cu_seqlens=None,
+                               scale=None):
+    """Dense version of branch_attention: the full [Hq, T, T + P*T] score matrix with an explicit
+    mask, softmax in float32 (float64 for float64 inputs), plain autograd. O(T^2) memory."""
+    cu_seqlens, _, passes = _validate(q, k, v, branch_k, branch_v, cu_seqlens)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    tokens, q_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+
+    keys, values = k, v
+    if branch_k is not None:
+        keys = torch.cat([k, branch_k.reshape(passes * tokens, kv_heads, head_dim)])
+        values = torch.cat([v, branch_v.reshape(passes * tokens, kv_heads, head_dim)])
+    # Query head h reads kv head h // (Hq // Hkv).
+    keys = keys.to(dtype).repeat_interleave(q_heads // kv_heads, dim=1)
+    values = values.to(dtype).repeat_interleave(q_heads // kv_heads, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.to(dtype), keys) * scale
+
+    position = torch.arange(tokens, device=q.device)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    document = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths)
+    trunk_visible = (document[:, None] == document[None, :]) & (position[None, :] <= position[:, None])
+    branch_visible = torch.eye(tokens, dtype=torch.bool, device=q.device).repeat(1, passes)
+    visible = torch.cat([trunk_visible, branch_visible], dim=1)  # [T, T + P*T]
+
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), values)
+    return out.to(q.dtype), lse
