@@ -1,0 +1,49 @@
+"""GRPO: group-relative advantages and the clipped, token-level policy-gradient loss."""
+import torch
+import torch.nn.functional as F
+
+from titan_draft.packing import PackedBatch, pack_rows
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """(r - mean of its group) / (std of its group + eps); rewards [N] ordered group by group."""
+    r = rewards.float().view(-1, group_size)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).flatten()
+
+
+def rollout_batch(prompts: torch.Tensor, tokens: torch.Tensor, response_lengths: torch.Tensor) -> PackedBatch:
+    """Pack prompt + response documents; the trained rows are those that predict a response token."""
+    P = prompts.shape[1]
+    return pack_rows(tokens, first_trained_row=P - 1, lengths=P + response_lengths.cpu())
+
+
+def token_logprobs(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """log p(x_{t+1} | x_<=t) for every row t [T] (meaningful where loss_mask is set)."""
+    targets = batch.tokens.roll(-1)
+    return -F.cross_entropy(logits.float(), targets, reduction="none")
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              clip_eps: float, ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
+              num_tokens: torch.Tensor | int | None = None):
+    """Clipped surrogate (+ k3 KL to the reference) summed over response tokens / num_tokens.
+
+    All tensors are per row [T]; advantages are the document's advantage on each of its rows.
+    num_tokens defaults to the local count of masked rows (pass the global count under data parallel).
+    """
+    mask = mask.float()
+    ratio = torch.exp(logprobs - old_logprobs)
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    per_token = -surrogate
+    if ref_logprobs is not None and kl_coef > 0:
+        log_ratio = ref_logprobs - logprobs
+        per_token = per_token + kl_coef * (log_ratio.exp() - log_ratio - 1)
+    n = mask.sum() if num_tokens is None else num_tokens
+    loss = (per_token * mask).sum() / n
+    clipped = ((ratio - 1).abs() > clip_eps).float()
+    return loss, {"clip_frac": ((clipped * mask).sum() / mask.sum().clamp(min=1)).item()}

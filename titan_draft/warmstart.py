@@ -1,0 +1,68 @@
+"""Before RL: supervised fine-tuning of the policy on the task, then offline draft training on its taps."""
+import torch
+import torch.nn.functional as F
+
+from titan_draft.cotrain import DraftOptimizer, draft_loss
+from titan_draft.metrics import MetricsLogger, progress
+from titan_draft.models.draft import EagleDraft, build_draft_vocab
+from titan_draft.models.policy import TapRecorder, forward_packed
+from titan_draft.packing import PackedBatch, pack_rows
+from titan_draft.task import SortTask
+
+
+def next_token_loss(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Mean cross-entropy of the next token over the rows the batch trains (loss_mask)."""
+    targets = batch.tokens.roll(-1)  # loss_mask never marks a document's last row
+    return F.cross_entropy(logits[batch.loss_mask].float(), targets[batch.loss_mask])
+
+
+def sft_batch(task: SortTask, n: int, generator: torch.Generator, swap_prob: float, device) -> PackedBatch:
+    rows = task.sft_batch(n, generator, swap_prob)
+    return pack_rows(rows, first_trained_row=task.prompt_len - 1).to(device)
+
+
+def sft_policy(policy, task: SortTask, steps: int, lr: float, batch_size: int, swap_prob: float,
+               generator: torch.Generator, device, metrics: MetricsLogger, log_every: int = 50) -> None:
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    bar = progress(range(1, steps + 1), "sft", metrics.enabled)
+    for step in bar:
+        batch = sft_batch(task, batch_size, generator, swap_prob, device)
+        loss = next_token_loss(forward_packed(policy, batch), batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % log_every == 0 or step == steps:
+            metrics.log("sft", step, {"loss": loss.item()}, echo=False)
+
+
+def draft_vocab_from_data(task: SortTask, draft: EagleDraft, generator: torch.Generator, swap_prob: float,
+                          num_docs: int = 1024) -> None:
+    """The draft vocabulary: the most frequent target tokens of the task's answers."""
+    if draft.args.draft_vocab_size == draft.args.target_vocab_size:
+        return
+    rows = task.sft_batch(num_docs, generator, swap_prob)[:, task.prompt_len:]
+    counts = torch.bincount(rows.flatten(), minlength=draft.args.target_vocab_size)
+    draft.set_vocab(build_draft_vocab(counts, draft.args.draft_vocab_size))
+
+
+def warmup_draft(policy, draft: EagleDraft, task: SortTask, tap_layers: list[int], steps: int, lr: float,
+                 max_norm: float, batch_size: int, ttt_steps: int, pass_decay: float, swap_prob: float,
+                 generator: torch.Generator, device, metrics: MetricsLogger, log_every: int = 50) -> DraftOptimizer:
+    """Train the draft alone on the (frozen) policy's taps and logits; returns its optimizer for RL."""
+    optimizer = DraftOptimizer(draft, lr, max_norm)
+    bar = progress(range(1, steps + 1), "draft warm-up", metrics.enabled)
+    for step in bar:
+        batch = sft_batch(task, batch_size, generator, swap_prob, device)
+        with torch.no_grad(), TapRecorder(policy, tap_layers) as rec:
+            logits = forward_packed(policy, batch)
+        loss, stats = draft_loss(draft, rec.embeddings(), rec.taps(), logits, batch, ttt_steps, pass_decay)
+        loss.backward()
+        optimizer.step(loss)
+        bar.set_postfix(loss=f"{stats['draft_loss']:.3f}", acc1=f"{stats['draft_acc_pass1']:.3f}")
+        if step % log_every == 0 or step == steps:
+            metrics.log("draft_warmup", step, stats, echo=False)
+    return optimizer
