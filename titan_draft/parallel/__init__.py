@@ -1,0 +1,12 @@
+"""Parallelism beyond torchtitan's: branch-aware context parallelism for packed documents."""
+from titan_draft.parallel.context_parallel import apply_context_parallel, global_count
+from titan_draft.parallel.cp_attention import cp_branch_attention
+from titan_draft.parallel.halo import HaloShift
+from titan_draft.parallel.zigzag import (
+    ZigzagLayout,
+    pad_documents,
+    shard_batch,
+    zigzag_rows,
+    zigzag_shard,
+    zigzag_unshard,
+)
