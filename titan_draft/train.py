@@ -15,6 +15,7 @@ import copy
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +41,107 @@ def build_models(cfg, device):
     draft = EagleDraft(draft_args_for(args, len(layers), d.vocab_size, d.n_heads, d.n_kv_heads)).to(device)
     draft.init_weights()
     return args, policy, draft, layers
+
+
+@dataclass
+class RLState:
+    """Everything an RL step reads or updates."""
+    cfg: object
+    task: SortTask
+    policy: torch.nn.Module
+    start_policy: torch.nn.Module  # reference for the KL metric / penalty
+    draft: EagleDraft
+    policy_opt: torch.optim.Optimizer
+    draft_opt: DraftOptimizer
+    engine: RolloutEngine
+    layers: list[int]
+    device: torch.device
+    data_gen: torch.Generator
+    rollout_gen: torch.Generator
+
+    @classmethod
+    def create(cls, cfg, args, task, policy, draft, draft_opt, layers, device, data_gen, rollout_gen):
+        rl = cfg.rl
+        engine = RolloutEngine(args, draft.args if cfg.draft.mode != "none" else None, layers,
+                               max_batch_size=rl.prompts_per_step * rl.group_size,
+                               max_seq_len=cfg.training.seq_len, device=device, dtype=torch.float32)
+        return cls(cfg, task, policy, copy.deepcopy(policy).requires_grad_(False), draft,
+                   torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0), draft_opt, engine,
+                   layers, device, data_gen, rollout_gen)
+
+
+@dataclass
+class Rollouts:
+    prompts: torch.Tensor  # [N, P]
+    tokens: torch.Tensor  # [N, P + max_new]
+    response_lengths: torch.Tensor  # [N]
+    metrics: dict
+
+
+def collect_rollouts(s: RLState) -> Rollouts:
+    """Steps 1: group_size samples per prompt from the current policy, drafted when speculating."""
+    ro, rl, task = s.cfg.rollout, s.cfg.rl, s.task
+    speculate = s.cfg.draft.mode != "none"
+    t0 = time.perf_counter()
+    s.engine.load_weights(s.policy, s.draft if speculate else None)
+    prompts = task.sample_prompts(rl.prompts_per_step, s.data_gen).repeat_interleave(rl.group_size, 0)
+    result = s.engine.generate(prompts.to(s.device), ro.max_new_tokens or task.answer_len + 2,
+                               num_speculative_tokens=ro.num_speculative_tokens if speculate else 0,
+                               temperature=ro.temperature, top_p=ro.top_p, eos_id=task.tokenizer.eos_id,
+                               generator=s.rollout_gen)
+    return Rollouts(prompts, result.tokens.cpu(), result.response_lengths.cpu(), {
+        "acceptance_length": result.acceptance_length,
+        "rollout_tokens_per_s": result.tokens_per_s,
+        "rollout_time_s": time.perf_counter() - t0,
+    })
+
+
+def train_on(s: RLState, r: Rollouts) -> dict:
+    """Steps 2-4: advantages, one policy forward, the policy's and the draft's separate updates."""
+    cfg, d, rl = s.cfg, s.cfg.draft, s.cfg.rl
+    t1 = time.perf_counter()
+    P = r.prompts.shape[1]
+    rewards = s.task.rewards(r.prompts, r.tokens[:, P:])
+    advantages = group_advantages(rewards, rl.group_size)
+    batch = rollout_batch(r.prompts, r.tokens, r.response_lengths).to(s.device)
+    row_advantages = advantages.to(s.device).repeat_interleave(batch.cu_seqlens.diff().long())
+
+    # One policy forward: GRPO loss for the policy; taps and logits for the draft.
+    with TapRecorder(s.policy, s.layers) as rec:
+        logits = forward_packed(s.policy, batch)
+    logprobs = token_logprobs(logits, batch)
+    with torch.no_grad():
+        ref_logprobs = token_logprobs(forward_packed(s.start_policy, batch), batch)
+    policy_loss, pg_stats = grpo_loss(logprobs, logprobs.detach(), row_advantages, batch.loss_mask,
+                                      rl.clip_eps, ref_logprobs, rl.kl_coef)
+    policy_loss.backward()
+    torch.nn.utils.clip_grad_norm_(s.policy.parameters(), cfg.training.max_norm)
+    s.policy_opt.step()
+    s.policy_opt.zero_grad(set_to_none=True)
+
+    # The draft's update: its inputs are detached, so nothing here reaches the policy.
+    draft_stats = {}
+    if d.mode != "none":
+        with torch.set_grad_enabled(d.mode == "cotrain"):
+            loss, draft_stats = draft_loss(s.draft, rec.embeddings(), rec.taps(), logits, batch, d.ttt_steps,
+                                           d.pass_decay)
+        if d.mode == "cotrain":
+            (d.loss_weight * loss).backward()
+            s.draft_opt.step(loss)
+            draft_stats["draft_updates_skipped"] = s.draft_opt.skipped
+
+    mask = batch.loss_mask
+    with torch.no_grad():
+        entropy = token_entropy(logits[mask]).mean().item()
+        kl = (logprobs.detach() - ref_logprobs)[mask].mean().item()
+    return {"reward_mean": rewards.mean().item(), **draft_stats, "policy_loss": policy_loss.item(),
+            "entropy": entropy, "kl_to_start": kl, **pg_stats, "train_time_s": time.perf_counter() - t1}
+
+
+def rl_step(s: RLState) -> dict:
+    """One RL step (see the module docstring); returns its metrics."""
+    rollouts = collect_rollouts(s)
+    return {**rollouts.metrics, **train_on(s, rollouts)}
 
 
 def main(argv: list[str]) -> None:
@@ -70,71 +172,9 @@ def main(argv: list[str]) -> None:
                                  d.ttt_steps, d.pass_decay, cfg.task.sft_swap_prob, data_gen, device, metrics)
 
     # --- RL ---------------------------------------------------------------------------------------
-    start_policy = copy.deepcopy(policy).requires_grad_(False)  # reference for the KL metric / penalty
-    policy_opt = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0)
-    speculate = d.mode != "none"
-    engine = RolloutEngine(args, draft.args if speculate else None, layers,
-                           max_batch_size=rl.prompts_per_step * rl.group_size,
-                           max_seq_len=cfg.training.seq_len, device=device, dtype=torch.float32)
-    max_new = ro.max_new_tokens or task.answer_len + 2
+    rl_state = RLState.create(cfg, args, task, policy, draft, draft_opt, layers, device, data_gen, rollout_gen)
     for step in range(1, cfg.training.steps + 1):
-        # 1. rollouts with the current policy (and draft)
-        t0 = time.perf_counter()
-        engine.load_weights(policy, draft if speculate else None)
-        prompts = task.sample_prompts(rl.prompts_per_step, data_gen).repeat_interleave(rl.group_size, 0)
-        result = engine.generate(prompts.to(device), max_new, num_speculative_tokens=ro.num_speculative_tokens
-                                 if speculate else 0, temperature=ro.temperature, top_p=ro.top_p,
-                                 eos_id=task.tokenizer.eos_id, generator=rollout_gen)
-        rollout_time = time.perf_counter() - t0
-
-        # 2. rewards and group-relative advantages
-        t1 = time.perf_counter()
-        P = prompts.shape[1]
-        rewards = task.rewards(prompts, result.tokens[:, P:].cpu())
-        advantages = group_advantages(rewards, rl.group_size)
-        batch = rollout_batch(prompts, result.tokens.cpu(), result.response_lengths.cpu()).to(device)
-        doc_lengths = batch.cu_seqlens.diff().long()
-        row_advantages = advantages.to(device).repeat_interleave(doc_lengths)
-
-        # 3. one policy forward: GRPO loss for the policy, TTT loss for the draft
-        with TapRecorder(policy, layers) as rec:
-            logits = forward_packed(policy, batch)
-        logprobs = token_logprobs(logits, batch)
-        with torch.no_grad():
-            ref_logprobs = token_logprobs(forward_packed(start_policy, batch), batch)
-        policy_loss, pg_stats = grpo_loss(logprobs, logprobs.detach(), row_advantages, batch.loss_mask,
-                                          rl.clip_eps, ref_logprobs, rl.kl_coef)
-
-        # 4. separate updates
-        policy_loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.training.max_norm)
-        policy_opt.step()
-        policy_opt.zero_grad(set_to_none=True)
-        draft_stats = {}
-        if speculate:
-            with torch.set_grad_enabled(d.mode == "cotrain"):
-                loss, draft_stats = draft_loss(draft, rec.embeddings(), rec.taps(), logits, batch, d.ttt_steps,
-                                               d.pass_decay)
-            if d.mode == "cotrain":
-                (d.loss_weight * loss).backward()
-                draft_stats["draft_update_skipped"] = int(not draft_opt.step(loss))
-
-        mask = batch.loss_mask
-        with torch.no_grad():
-            entropy = token_entropy(logits[mask]).mean().item()
-            kl = (logprobs.detach() - ref_logprobs)[mask].mean().item()
-        metrics.log("rl", step, {
-            "reward_mean": rewards.mean().item(),
-            "acceptance_length": result.acceptance_length,
-            **draft_stats,
-            "policy_loss": policy_loss.item(),
-            "entropy": entropy,
-            "kl_to_start": kl,
-            **pg_stats,
-            "rollout_tokens_per_s": result.tokens_per_s,
-            "rollout_time_s": rollout_time,
-            "train_time_s": time.perf_counter() - t1,
-        })
+        metrics.log("rl", step, rl_step(rl_state))
     metrics.close()
 
 
