@@ -1,0 +1,367 @@
+"""Speculative rollout engine: EAGLE-3 drafting and lossless verification with static KV caches.
+
+gpt-fast style, plain PyTorch. The engine holds inference copies of the policy (a torchtitan
+llama3 / qwen3 model) and of the draft, refreshed from the trained modules by `load_weights`.
+
+Bookkeeping, per row b of the batch (all rows start from prompts of one length P):
+- `lengths[b]` tokens are known; the last one, at position n = lengths[b] - 1, is not yet in the
+  policy's cache. A decode step verifies [x_n, t_1..t_K] at positions n..n+K in one forward and
+  emits 1..K+1 tokens. Rolling back rejected drafts is only a matter of `lengths`: cache slots past
+  a row's length are masked out and overwritten by the next step.
+- The draft's cache holds its pass-1 ("trunk") keys of anchors i whose next token x_{i+1} is known:
+  input concat(e(x_{i+1}), fc(taps_i)), RoPE position i (titan_draft/models/draft.py conventions).
+  Proposing after position n uses anchor a = n - 1: pass 1 is the trunk entry of a itself; pass k
+  feeds e(t_{k-1}) and pass k-1's hidden at RoPE position a + k - 1 and attends the trunk (anchors
+  <= a) plus the branch keys of passes 2..k, which live in K extra slots after the trunk slots.
+- Prefill runs the whole prompt and samples the first response token; it is not a verify step.
+"""
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_draft import _compat  # noqa: F401  (before torchtitan)
+from titan_draft.models.draft import DraftArgs, EagleDraft
+from titan_draft.rollout.sampling import check_sampling_args, probs_from_logits, sample, speculative_accept
+
+# Wrapper prefixes that checkpointing and torch.compile add to parameter names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+@dataclass
+class RolloutResult:
+    tokens: torch.Tensor
+    """[B, P + max_new_tokens] int64: prompt, response, then eos_id after a row has finished."""
+    response_lengths: torch.Tensor
+    """[B] int64: generated tokens per row (an emitted eos included)."""
+    num_verify_forwards: int
+    """Verify forwards counted per row (a batched step counts once for every row still running)."""
+    emitted_tokens: int
+    """Tokens emitted by verify steps (the first token, sampled at prefill, is not counted)."""
+    acceptance_length: float
+    """emitted_tokens / num_verify_forwards (1.0 without speculation)."""
+    per_position_acceptance: torch.Tensor
+    """[K] float: fraction of row verify steps that accepted at least k + 1 drafts."""
+    num_decode_steps: int
+    """Batched decode forwards (one per loop iteration)."""
+    timing: dict = field(default_factory=dict)
+    """Seconds in draft_s, verify_s, other_s (prefill, sampling, bookkeeping)."""
+    tokens_per_s: float = 0.0
+    """Generated tokens (all rows) per second of wall time of generate()."""
+
+
+def _policy_family(policy_args):
+    """(model class, apply_rotary_emb, name of the rope table buffer) of a torchtitan model."""
+    from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
+    from torchtitan.models.qwen3.model.model import apply_rotary_emb as qwen3_rope
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+    from torchtitan.models.llama3.model.model import apply_rotary_emb as llama3_rope
+
+    if isinstance(policy_args, Qwen3ModelArgs):
+        return Qwen3Model, qwen3_rope, "rope_cache"
+    if isinstance(policy_args, TransformerModelArgs):
+        return Transformer, llama3_rope, "freqs_cis"
+    raise ValueError(f"policy_args: {type(policy_args).__name__} is not supported; pass torchtitan "
+                     "llama3 TransformerModelArgs or qwen3 Qwen3ModelArgs")
+
+
+def _copy_weights(src: nn.Module, dst: nn.Module, what: str) -> None:
+    """dst <- src by parameter name; sharded (DTensor) tensors are gathered (a collective: call on
+    every rank of the mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    dst_state = dst.state_dict()
+    loaded = set()
+    for name, tensor in src.state_dict().items():
+        for prefix in _WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        if name not in dst_state:
+            raise ValueError(f"load_weights: {what} has '{name}', which the engine's {what} lacks; "
+                             f"build the engine with the same model args as the trained {what}")
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        dst_state[name].copy_(tensor)
+        loaded.add(name)
+    missing = sorted(set(dst_state) - loaded)
+    if missing:
+        raise ValueError(f"load_weights: the trained {what} lacks {missing[:3]}...; build the engine "
+                         f"with the same model args as the trained {what}")
+
+
+@contextmanager
+def _default_dtype(dtype):
+    """Build modules with parameters in dtype; rope tables keep the float32 their code asks for."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _attend(q, k_cache, v_cache, mask, scale=None):
+    """q [B, S, Hq, D] against a whole static cache [B, L, Hkv, D] under mask [B, S, L]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                         attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=q.shape[2] != k_cache.shape[2])
+    return out.transpose(1, 2)
+
+
+class RolloutEngine:
+    def __init__(self, policy_args, draft_args: DraftArgs | None, tap_layers, max_batch_size: int,
+                 max_seq_len: int, device, dtype=torch.bfloat16, *, max_speculative_tokens: int = 8,
+                 compile: bool = False):
+        """Inference copies of the policy (and draft), and static caches for max_batch_size rows of
+        up to max_seq_len tokens (prompt + response), with up to max_speculative_tokens drafts."""
+        model_cls, self._rope, rope_name = _policy_family(policy_args)
+        self.tap_layers = sorted(tap_layers)
+        if draft_args is not None and len(self.tap_layers) != draft_args.n_taps:
+            raise ValueError(f"tap_layers: {len(self.tap_layers)} layers given but the draft reads "
+                             f"{draft_args.n_taps} taps; pass the draft's tap layers")
+        self.device, self.dtype = torch.device(device), dtype
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.max_k = max_speculative_tokens
+        # Verify windows of finished rows and the last step may run K + 1 slots past max_seq_len.
+        self.slots = max_seq_len + self.max_k + 1
+
+        with torch.device(self.device), _default_dtype(dtype):
+            self.policy = model_cls(replace(policy_args, max_seq_len=self.slots))
+        self.policy.eval().requires_grad_(False)
+        self._rope_table = lambda: getattr(self.policy, rope_name)
+        attn = self.policy.layers["0"].attention
+        cache_shape = (max_batch_size, self.slots, attn.n_kv_heads, attn.head_dim)
+        self.k_cache = [torch.zeros(cache_shape, device=self.device, dtype=dtype) for _ in self.policy.layers]
+        self.v_cache = [torch.zeros(cache_shape, device=self.device, dtype=dtype) for _ in self.policy.layers]
+
+        self.draft, self._target_ids = None, None
+        if draft_args is not None:
+            with torch.device(self.device), _default_dtype(dtype):
+                self.draft = EagleDraft(replace(draft_args, max_seq_len=self.slots))
+            self.draft.eval().requires_grad_(False)
+            # Trunk slots 0..slots-1 (slot = anchor), then one branch slot per pass 2..K.
+            draft_shape = (max_batch_size, self.slots + self.max_k, draft_args.n_kv_heads, draft_args.head_dim)
+            self.draft_k = torch.zeros(draft_shape, device=self.device, dtype=dtype)
+            self.draft_v = torch.zeros(draft_shape, device=self.device, dtype=dtype)
+
+        self._policy_step, self._draft_extend, self._draft_pass = (
+            self.policy_forward, self.draft_extend, self.draft_pass)
+        if compile:
+            self._policy_step = torch.compile(self.policy_forward, dynamic=False)
+            self._draft_extend = torch.compile(self.draft_extend, dynamic=False)
+            self._draft_pass = torch.compile(self.draft_pass, dynamic=False)
+
+    # --- weights -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, policy: nn.Module, draft: nn.Module | None = None) -> None:
+        """Refresh the inference copies from trained modules (plain, FSDP2/DTensor-sharded,
+        activation-checkpointed or compiled)."""
+        _copy_weights(policy, self.policy, "policy")
+        if draft is not None:
+            if self.draft is None:
+                raise ValueError("load_weights: a draft was given but the engine was built without "
+                                 "draft_args; build it with the draft's args")
+            _copy_weights(draft, self.draft, "draft")
+            self._target_ids = self.draft.target_ids()
+
+    # --- the policy ----------------------------------------------------------------------------------
+    def policy_forward(self, tokens: torch.Tensor, positions: torch.Tensor):
+        """Cached forward of tokens [B, S] at positions [B, S] (cache slot = position).
+
+        Writes their keys/values into the cache, attends slots <= each query's position, and
+        returns logits [B, S, V], tap features [B, S, n_taps * dim] (tap layers' outputs, ascending)
+        and the token embeddings [B, S, dim].
+        """
+        B = tokens.shape[0]
+        rows = torch.arange(B, device=tokens.device)[:, None]
+        mask = torch.arange(self.slots, device=tokens.device) <= positions[..., None]  # [B, S, slots]
+        rope = self._rope_table()
+        emb = self.policy.tok_embeddings(tokens)
+        h, taps = emb, []
+        for i, layer in enumerate(self.policy.layers.values()):
+            h = h + self._attention(layer.attention, layer.attention_norm(h), rope, positions, rows, mask,
+                                    self.k_cache[i], self.v_cache[i])
+            ffn = layer.moe if getattr(layer, "moe_enabled", False) else layer.feed_forward
+            h = h + ffn(layer.ffn_norm(h))
+            if i in self.tap_layers:
+                taps.append(h)
+        logits = self.policy.output(self.policy.norm(h))
+        return logits, torch.cat(taps, dim=-1), emb
+
+    def _attention(self, attn, x, rope, positions, rows, mask, k_cache, v_cache):
+        """torchtitan's Attention.forward with the inner op replaced by the static cache."""
+        B, S, _ = x.shape
+        q = attn.wq(x).view(B, S, -1, attn.head_dim)
+        k = attn.wk(x).view(B, S, -1, attn.head_dim)
+        v = attn.wv(x).view(B, S, -1, attn.head_dim)
+        if getattr(attn, "q_norm", None) is not None:  # qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self._rope(q, k, rope, positions)
+        k_cache[rows, positions] = k
+        v_cache[rows, positions] = v
+        out = _attend(q, k_cache[:B], v_cache[:B], mask, scale=getattr(attn, "scaling", None))
+        return attn.wo(out.flatten(2))
+
+    # --- the draft -----------------------------------------------------------------------------------
+    def draft_extend(self, next_emb: torch.Tensor, taps: torch.Tensor, start: torch.Tensor, count: torch.Tensor):
+        """Pass 1 at anchors start..start+W-1 of each row (the first count[b] are real).
+
+        next_emb [B, W, dim]: policy embeddings of x_{i+1}; taps [B, W, n_taps * dim]: taps at i.
+        Writes their trunk keys and returns pass 1's hidden at the last real anchor, [B, dim].
+        """
+        B, W, _ = next_emb.shape
+        rows = torch.arange(B, device=next_emb.device)
+        anchors = start[:, None] + torch.arange(W, device=next_emb.device)
+        hidden = self.draft.fc(taps)
+        q, k, v = self.draft.project_qkv(next_emb.flatten(0, 1), hidden.flatten(0, 1), anchors.flatten())
+        self.draft_k[rows[:, None], anchors] = k.view(B, W, *k.shape[1:])
+        self.draft_v[rows[:, None], anchors] = v.view(B, W, *v.shape[1:])
+        # Trunk slots <= anchor; branch slots (>= self.slots) are beyond every anchor.
+        mask = torch.arange(self.draft_k.shape[1], device=q.device) <= anchors[..., None]
+        out = _attend(q.view(B, W, *q.shape[1:]), self.draft_k[:B], self.draft_v[:B], mask)
+        hidden = self.draft.complete(out, hidden)
+        return hidden[rows, count - 1]
+
+    def draft_pass(self, k: int, emb: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor):
+        """Pass k >= 2 at anchor [B]: input e(t_{k-1}) [B, dim] and pass k-1's hidden [B, dim];
+        returns pass k's hidden [B, dim]."""
+        B = emb.shape[0]
+        rows = torch.arange(B, device=emb.device)
+        q, key, value = self.draft.project_qkv(emb, hidden, anchor + k - 1)
+        self.draft_k[rows, self.slots + k - 2] = key
+        self.draft_v[rows, self.slots + k - 2] = value
+        slot = torch.arange(self.draft_k.shape[1], device=emb.device)
+        branch = (slot >= self.slots) & (slot < self.slots + k - 1)
+        mask = (slot <= anchor[:, None]) | branch
+        out = _attend(q[:, None], self.draft_k[:B], self.draft_v[:B], mask[:, None])
+        return self.draft.complete(out[:, 0], hidden)
+
+    def _draft_distribution(self, hidden, temperature, top_p):
+        """q over the target vocabulary (0 outside the draft's) and one sample from it."""
+        probs = probs_from_logits(self.draft.logits(hidden), temperature, top_p)
+        token = self._target_ids[sample(probs, self._generator)]
+        q = probs.new_zeros(probs.shape[0], self.policy.output.out_features)
+        q[:, self._target_ids] = probs
+        return token, q
+
+    def _propose(self, hidden, anchor, K, temperature, top_p):
+        """K chained draft tokens [B, K] and their distributions [B, K, V] from pass 1's hidden."""
+        tokens, probs = [], []
+        for k in range(1, K + 1):
+            if k > 1:
+                hidden = self._draft_pass(k, self.policy.tok_embeddings(tokens[-1]), hidden, anchor)
+            token, q = self._draft_distribution(hidden, temperature, top_p)
+            tokens.append(token)
+            probs.append(q)
+        return torch.stack(tokens, 1), torch.stack(probs, 1)
+
+    # --- generation ----------------------------------------------------------------------------------
+    @contextmanager
+    def _clock(self, timing: dict, key: str):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        timing[key] += time.perf_counter() - start
+
+    def _check(self, prompts, max_new_tokens, K, temperature, top_p):
+        if prompts.dim() != 2 or prompts.dtype != torch.int64:
+            raise ValueError(f"prompts must be an int64 [B, P] tensor, got {prompts.dtype} {tuple(prompts.shape)}")
+        B, P = prompts.shape
+        if not 1 <= B <= self.max_batch_size:
+            raise ValueError(f"prompts: batch of {B} rows, but the engine holds 1..{self.max_batch_size} "
+                             "(max_batch_size); split the batch or build a larger engine")
+        if P < 1 or max_new_tokens < 1 or P + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompts: P = {P} + max_new_tokens = {max_new_tokens} must be within "
+                             f"1..max_seq_len = {self.max_seq_len}; shorten them or build a larger engine")
+        if K < 0 or K > self.max_k:
+            raise ValueError(f"num_speculative_tokens: {K} must be in 0..{self.max_k} "
+                             "(max_speculative_tokens; 0 = no speculation)")
+        if K > 0 and self.draft is None:
+            raise ValueError("num_speculative_tokens: speculation needs a draft, but the engine has none; "
+                             "pass draft_args when building it, or use 0")
+        if K > 0 and self._target_ids is None:
+            raise ValueError("load_weights(policy, draft) must run before speculative generation")
+        check_sampling_args(temperature, top_p)
+
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor, max_new_tokens: int, *, num_speculative_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, eos_id: int,
+                 generator: torch.Generator | None = None) -> RolloutResult:
+        """Sample up to max_new_tokens per row after prompts [B, P]; rows stop at eos_id.
+
+        num_speculative_tokens K = 0 runs the same loop without a draft: the baseline.
+        """
+        K = num_speculative_tokens
+        self._check(prompts, max_new_tokens, K, temperature, top_p)
+        self._generator = generator
+        timing = dict(draft_s=0.0, verify_s=0.0, other_s=0.0)
+        wall = time.perf_counter()
+        B, P = prompts.shape
+        total = P + max_new_tokens
+        dev = self.device
+        rows = torch.arange(B, device=dev)
+        window = torch.arange(K + 1, device=dev)
+
+        with self._clock(timing, "other_s"):
+            tokens = torch.full((B, total), eos_id, dtype=torch.long, device=dev)
+            tokens[:, :P] = prompts.to(dev)
+            logits, taps, _ = self._policy_step(tokens[:, :P], torch.arange(P, device=dev).expand(B, P))
+            tokens[:, P] = sample(probs_from_logits(logits[:, -1], temperature, top_p), generator)
+            lengths = torch.full((B,), P + 1, device=dev)
+            done = (tokens[:, P] == eos_id) | (lengths >= total)
+        if K:
+            with self._clock(timing, "draft_s"):
+                next_emb = self.policy.tok_embeddings(tokens[:, 1:P + 1])
+                hidden = self._draft_extend(next_emb, taps, torch.zeros_like(lengths), torch.full_like(lengths, P))
+
+        verify_rows = emitted = steps = 0
+        accepted_at_least = torch.zeros(K, device=dev)
+        while not bool(done.all()):
+            n = lengths - 1  # position of the last known token, the first one verified
+            draft_tokens = draft_probs = None
+            if K:
+                with self._clock(timing, "draft_s"):
+                    draft_tokens, draft_probs = self._propose(hidden, n - 1, K, temperature, top_p)
+            with self._clock(timing, "verify_s"):
+                verify_in = tokens[rows, n][:, None]
+                if K:
+                    verify_in = torch.cat([verify_in, draft_tokens], dim=1)
+                logits, taps, _ = self._policy_step(verify_in, n[:, None] + window)
+            with self._clock(timing, "other_s"):
+                target_probs = probs_from_logits(logits, temperature, top_p)
+                if K:
+                    num_accepted, out = speculative_accept(draft_tokens, draft_probs, target_probs, generator)
+                else:
+                    num_accepted, out = torch.zeros_like(lengths), sample(target_probs, generator)
+                # Emit up to the first eos and within the row's budget; finished rows emit nothing.
+                emit = num_accepted + 1
+                is_eos = (out == eos_id) & (window < emit[:, None])
+                emit = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, emit)
+                emit = torch.minimum(emit, total - lengths).masked_fill(done, 0)
+                keep = window < emit[:, None]
+                tokens[rows[:, None].expand_as(keep)[keep], (lengths[:, None] + window)[keep]] = out[keep]
+                running = ~done
+                verify_rows += int(running.sum())
+                emitted += int(emit.sum())
+                accepted_at_least += ((num_accepted[:, None] > torch.arange(K, device=dev)) & running[:, None]).sum(0)
+                steps += 1
+                done = done | is_eos.any(1) | (lengths + emit >= total)
+                lengths = lengths + emit
+            if K and not bool(done.all()):
+                with self._clock(timing, "draft_s"):
+                    next_emb = self.policy.tok_embeddings(out.clamp(min=0))
+                    hidden = self._draft_extend(next_emb, taps, n, emit.clamp(min=1))
+
+        wall = time.perf_counter() - wall
+        response_lengths = (lengths - P).cpu()
+        return RolloutResult(
+            tokens=tokens.cpu(), response_lengths=response_lengths, num_verify_forwards=verify_rows,
+            emitted_tokens=emitted, acceptance_length=emitted / max(verify_rows, 1),
+            per_position_acceptance=(accepted_at_least / max(verify_rows, 1)).cpu(), num_decode_steps=steps,
+            timing=timing, tokens_per_s=float(response_lengths.sum()) / wall,
+        )
