@@ -83,6 +83,9 @@ def _copy_weights(src: nn.Module, dst: nn.Module, what: str) -> None:
                              f"build the engine with the same model args as the trained {what}")
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
+        if tensor.shape != dst_state[name].shape:
+            raise ValueError(f"load_weights: {what} '{name}' is {tuple(tensor.shape)} but the engine's is "
+                             f"{tuple(dst_state[name].shape)}; build the engine with the trained {what}'s args")
         dst_state[name].copy_(tensor)
         loaded.add(name)
     missing = sorted(set(dst_state) - loaded)
