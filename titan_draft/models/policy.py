@@ -126,7 +126,7 @@ class TapRecorder:
 
     def _record(self, key: str):
         def hook(_module, _inputs, output):
-            self.outputs[key] = output.detach()[0]
+            self.outputs[key] = output.detach().flatten(0, 1)  # [B, S, H] -> [B*S, H]: rows in order
 
         return hook
 

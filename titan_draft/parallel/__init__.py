@@ -10,3 +10,5 @@ from titan_draft.parallel.zigzag import (
     zigzag_shard,
     zigzag_unshard,
 )
+from titan_draft.parallel.pipeline import CoTrainLoss, CoTrainSpec, PipelineCoTrain, TapStage, build_pipeline_cotrain
+from titan_draft.parallel.tap_channel import TapChannel
