@@ -17,7 +17,6 @@ shards over dp_shard x cp), as for any data-parallel split of the tokens.
 import torch
 import torch.distributed as dist
 
-from titan_draft.models.policy import install_packed_attention
 from titan_draft.packing import PackedBatch
 from titan_draft.parallel.cp_attention import MODES, cp_branch_attention
 from titan_draft.parallel.halo import HaloShift
@@ -47,6 +46,9 @@ def apply_context_parallel(policy, batch: PackedBatch, cp_mesh, mode: str = "rin
         return cp_branch_attention(q, k, v, branch_k, branch_v, cu_seqlens, cp_mesh, mode, scale=scale)
 
     if policy is not None:
+        # Imported here: the policy pulls in torchtitan, which the CP ops themselves never need.
+        from titan_draft.models.policy import install_packed_attention
+
         install_packed_attention(policy, policy_attn)
     shift = HaloShift(cu_seqlens, cp_mesh, max_shift, doc_lengths=batch.cu_seqlens.diff())
     return local, shift, draft_attn
