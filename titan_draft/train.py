@@ -26,6 +26,8 @@ from titan_draft.grpo import group_advantages, grpo_loss, rollout_batch, token_e
 from titan_draft.metrics import MetricsLogger
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
+from titan_draft.parallel.parallelize import (dp_group, dp_loss_scale, dp_rank_and_degree, mean_over_dp,
+                                              parallelize_policy, sum_over_dp)
 from titan_draft.rollout import RolloutEngine
 from titan_draft.task import SortTask
 from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draft
@@ -58,16 +60,23 @@ class RLState:
     device: torch.device
     data_gen: torch.Generator
     rollout_gen: torch.Generator
+    dims: object = None  # torchtitan ParallelDims of a multi-process run
 
     @classmethod
-    def create(cls, cfg, args, task, policy, draft, draft_opt, layers, device, data_gen, rollout_gen):
+    def create(cls, cfg, args, task, policy, draft, draft_opt, layers, device, data_gen, rollout_gen, dims=None):
         rl = cfg.rl
         engine = RolloutEngine(args, draft.args if cfg.draft.mode != "none" else None, layers,
                                max_batch_size=rl.prompts_per_step * rl.group_size,
                                max_seq_len=cfg.training.seq_len, device=device, dtype=torch.float32)
-        return cls(cfg, task, policy, copy.deepcopy(policy).requires_grad_(False), draft,
+        if dims is None:
+            start_policy = copy.deepcopy(policy)
+        else:  # FSDP modules cannot be deep-copied: the same layout, then the (sharded) state
+            start_policy = parallelize_policy(build_policy(cfg.model.name, cfg.model.flavor, cfg.training.seq_len),
+                                              dims, cfg)
+            start_policy.load_state_dict(policy.state_dict())
+        return cls(cfg, task, policy, start_policy.requires_grad_(False), draft,
                    torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0), draft_opt, engine,
-                   layers, device, data_gen, rollout_gen)
+                   layers, device, data_gen, rollout_gen, dims)
 
 
 @dataclass
@@ -84,7 +93,10 @@ def collect_rollouts(s: RLState) -> Rollouts:
     speculate = s.cfg.draft.mode != "none"
     t0 = time.perf_counter()
     s.engine.load_weights(s.policy, s.draft if speculate else None)
-    prompts = task.sample_prompts(rl.prompts_per_step, s.data_gen).repeat_interleave(rl.group_size, 0)
+    # Every rank draws the whole step's prompts (same stream as one process) and rolls out its share.
+    dp_rank, dp_degree = dp_rank_and_degree(s.dims)
+    prompts = task.sample_prompts(rl.prompts_per_step, s.data_gen).chunk(dp_degree)[dp_rank]
+    prompts = prompts.repeat_interleave(rl.group_size, 0)
     result = s.engine.generate(prompts.to(s.device), ro.max_new_tokens or task.answer_len + 2,
                                num_speculative_tokens=ro.num_speculative_tokens if speculate else 0,
                                temperature=ro.temperature, top_p=ro.top_p, eos_id=task.tokenizer.eos_id,
@@ -112,9 +124,12 @@ def train_on(s: RLState, r: Rollouts) -> dict:
     logprobs = token_logprobs(logits, batch)
     with torch.no_grad():
         ref_logprobs = token_logprobs(forward_packed(s.start_policy, batch), batch)
-    policy_loss, pg_stats = grpo_loss(logprobs, logprobs.detach(), row_advantages, batch.loss_mask,
-                                      rl.clip_eps, ref_logprobs, rl.kl_coef)
-    policy_loss.backward()
+    # Losses are normalised by counts over all data-parallel ranks (FSDP averages: hence the scale).
+    mask = batch.loss_mask
+    num_tokens = sum_over_dp(mask.sum().float(), s.dims)
+    policy_loss, pg_stats = grpo_loss(logprobs, logprobs.detach(), row_advantages, mask,
+                                      rl.clip_eps, ref_logprobs, rl.kl_coef, num_tokens=num_tokens)
+    (dp_loss_scale(s.dims) * policy_loss).backward()
     torch.nn.utils.clip_grad_norm_(s.policy.parameters(), cfg.training.max_norm)
     s.policy_opt.step()
     s.policy_opt.zero_grad(set_to_none=True)
@@ -124,24 +139,29 @@ def train_on(s: RLState, r: Rollouts) -> dict:
     if d.mode != "none":
         with torch.set_grad_enabled(d.mode == "cotrain"):
             loss, draft_stats = draft_loss(s.draft, rec.embeddings(), rec.taps(), logits, batch, d.ttt_steps,
-                                           d.pass_decay)
+                                           d.pass_decay, group=dp_group(s.dims))
         if d.mode == "cotrain":
-            (d.loss_weight * loss).backward()
+            (dp_loss_scale(s.dims) * d.loss_weight * loss).backward()
             s.draft_opt.step(loss)
             draft_stats["draft_updates_skipped"] = s.draft_opt.skipped
 
-    mask = batch.loss_mask
     with torch.no_grad():
-        entropy = token_entropy(logits[mask]).mean().item()
-        kl = (logprobs.detach() - ref_logprobs)[mask].mean().item()
-    return {"reward_mean": rewards.mean().item(), **draft_stats, "policy_loss": policy_loss.item(),
-            "entropy": entropy, "kl_to_start": kl, **pg_stats, "train_time_s": time.perf_counter() - t1}
+        totals = sum_over_dp(torch.stack([
+            rewards.sum().to(s.device), torch.tensor(float(len(rewards)), device=s.device), policy_loss.detach(),
+            token_entropy(logits[mask]).sum(), (logprobs.detach() - ref_logprobs)[mask].sum(),
+            pg_stats["clip_frac"] * mask.sum(),
+        ]), s.dims).tolist()
+    reward_sum, num_samples, policy_loss_total, entropy_sum, kl_sum, clipped = totals
+    tokens = num_tokens.item()
+    return {"reward_mean": reward_sum / num_samples, **draft_stats, "policy_loss": policy_loss_total,
+            "entropy": entropy_sum / tokens, "kl_to_start": kl_sum / tokens, "clip_frac": clipped / tokens,
+            "train_time_s": time.perf_counter() - t1}
 
 
 def rl_step(s: RLState) -> dict:
     """One RL step (see the module docstring); returns its metrics."""
     rollouts = collect_rollouts(s)
-    return {**rollouts.metrics, **train_on(s, rollouts)}
+    return {**mean_over_dp(rollouts.metrics, s.dims), **train_on(s, rollouts)}
 
 
 def main(argv: list[str]) -> None:

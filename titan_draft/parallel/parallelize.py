@@ -1,0 +1,197 @@
+"""Meshes, FSDP2 and tensor parallelism for the policy and the draft, from torchtitan's [parallelism] keys.
+
+- Meshes: torchtitan's ParallelDims (dp_replicate, dp_shard, cp, tp, pp); `build_parallel_dims`
+  is the one place that reads the degrees.
+- Tensor parallel (both models): attention heads and MLP columns split over `tp` (torch's
+  Colwise/RowwiseParallel on the same projections as torchtitan's llama3 plan), norms replicated.
+  Unlike torchtitan's plan there is no sequence parallelism: every decoder layer's output stays
+  whole on every tp rank, because the draft reads the outputs of the tap layers (TapRecorder) and
+  the full logits (GRPO and the TTT teacher). The embeddings are row-parallel, the LM heads replicate
+  their output. The draft's lm_head stays replicated: torch's loss_parallel implements only
+  class-index targets, and the TTT loss has soft ones.
+- FSDP2: torchtitan's apply_fsdp for the policy, fully_shard for the draft. Data-parallel ranks
+  AVERAGE gradients (FSDP's divide factor = dp degree; torchtitan turns division off), so a warm
+  start that gives every rank the same batch is exact; losses normalised by counts over all
+  data-parallel ranks are multiplied by `dp_loss_scale` to make the average a sum.
+"""
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from titan_draft import _compat
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed import ParallelDims
+
+
+def build_parallel_dims(cfg, world_size: int) -> ParallelDims:
+    p = cfg.parallelism
+    return ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+                        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
+                        pp=p.pipeline_parallel_degree, ep=1, etp=1, world_size=world_size)
+
+
+def init_process_group(cfg) -> None:
+    """The default group, with [comm] init_timeout_seconds (torchrun's environment gives rank/size)."""
+    dist.init_process_group(_compat.backend(),
+                            timeout=datetime.timedelta(seconds=cfg.comm.init_timeout_seconds))
+
+
+def set_collective_timeout(dims: ParallelDims, seconds: int) -> None:
+    """Switch every mesh group (and the default group) to `seconds`, after a barrier so that no rank
+    runs under the shorter timeout while another is still initialising (as torchtitan's
+    set_pg_timeouts, whose barrier asks for an accelerator)."""
+    dist.barrier()
+    timeout = datetime.timedelta(seconds=seconds)
+    groups = [mesh.get_group() for mesh in dims.get_all_one_dimensional_meshes().values()] + [None]
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def describe_rank(dims: ParallelDims) -> str:
+    """'rank 3 (fsdp 1/2, tp 1/2)': this rank's coordinate in every active mesh, for error messages."""
+    parts = [f"{name} {mesh.get_local_rank()}/{mesh.size()}"
+             for name, mesh in dims.get_all_one_dimensional_meshes().items() if name in ("dp_replicate", "fsdp",
+                                                                                          "cp", "tp", "pp")]
+    return f"rank {dist.get_rank()} ({', '.join(parts) or 'single'})"
+
+
+def dp_mesh(dims: ParallelDims):
+    """The mesh that splits the rollouts (dp_replicate x dp_shard), or None."""
+    return dims.get_optional_mesh("batch")
+
+
+def dp_group(dims: ParallelDims | None):
+    """The process group of the data-parallel ranks, or None."""
+    mesh = dp_mesh(dims) if dims is not None else None
+    return None if mesh is None else mesh.get_group()
+
+
+def dp_rank_and_degree(dims: ParallelDims | None) -> tuple[int, int]:
+    mesh = dp_mesh(dims) if dims is not None else None
+    return (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
+
+
+def sum_over_dp(values: torch.Tensor, dims: ParallelDims | None) -> torch.Tensor:
+    """Sum of a (detached) tensor over the data-parallel ranks: global counts and metric totals."""
+    mesh = dp_mesh(dims) if dims is not None else None
+    if mesh is None:
+        return values
+    total = values.detach().clone()
+    dist.all_reduce(total, group=mesh.get_group())
+    return total
+
+
+def mean_over_dp(metrics: dict[str, float], dims: ParallelDims | None) -> dict[str, float]:
+    """Per-rank float metrics averaged over the data-parallel ranks."""
+    degree = dp_rank_and_degree(dims)[1]
+    if degree == 1:
+        return metrics
+    totals = sum_over_dp(torch.tensor(list(metrics.values()), dtype=torch.float64, device=_compat.device()), dims)
+    return dict(zip(metrics, (totals / degree).tolist()))
+
+
+def dp_loss_scale(dims: ParallelDims | None) -> float:
+    """Factor that turns FSDP's average over data-parallel ranks into the sum that losses normalised
+    by global counts need."""
+    return 1.0 if dims is None else float(dims.dp_replicate * dims.dp_shard)
+
+
+def _fsdp_mesh(dims: ParallelDims):
+    return dims.get_mesh(["dp_replicate", "fsdp"] if dims.dp_replicate_enabled else "fsdp")
+
+
+def _average_over_dp(model: nn.Module, dims: ParallelDims) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(dp_loss_scale(dims))
+
+
+def parallelize_policy(policy: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
+    """TP (POLICY_TP_PLAN) then torchtitan's FSDP2/HSDP, in place."""
+    from torchtitan.models.llama3.infra.parallelize import apply_fsdp
+
+    if dims.tp_enabled:
+        tp_mesh = dims.get_mesh("tp")
+        parallelize_module(policy, tp_mesh, POLICY_TP_PLAN)
+        for block in policy.layers.values():
+            parallelize_module(block, tp_mesh, POLICY_LAYER_TP_PLAN)
+        _replicate_norms(policy, tp_mesh)
+    if dims.fsdp_enabled or dims.dp_replicate_enabled:
+        apply_fsdp(policy, _fsdp_mesh(dims), param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],
+                   reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce], pp_enabled=dims.pp_enabled,
+                   reshard_after_forward_policy=cfg.parallelism.fsdp_reshard_after_forward)
+        _average_over_dp(policy, dims)
+        _compat.fix_fsdp_reduce_ops(policy)
+    return policy
+
+
+def _replicate_over(module: nn.Module, mesh) -> None:
+    """Parameters become Replicate DTensors (every parameter then lives on the tp mesh, which FSDP's
+    2-D sharding and gradient clipping need); the module still takes and returns plain tensors."""
+    distribute_module(
+        module, mesh,
+        input_fn=lambda _m, inputs, mesh: tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                                                for x in inputs),
+        output_fn=lambda _m, output, _mesh: output.to_local(),
+    )
+
+
+def _replicate_norms(model: nn.Module, mesh) -> None:
+    for module in list(model.modules()):
+        if isinstance(module, nn.RMSNorm):
+            _replicate_over(module, mesh)
+
+
+POLICY_TP_PLAN = {
+    "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+    "output": ColwiseParallel(output_layouts=Replicate()),
+}
+POLICY_LAYER_TP_PLAN = {
+    "attention.wq": ColwiseParallel(),
+    "attention.wk": ColwiseParallel(),
+    "attention.wv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(),
+    "feed_forward.w1": ColwiseParallel(),
+    "feed_forward.w3": ColwiseParallel(),
+    "feed_forward.w2": RowwiseParallel(),
+}
+DRAFT_TP_PLAN = {
+    "midlayer.self_attn.q_proj": ColwiseParallel(),
+    "midlayer.self_attn.k_proj": ColwiseParallel(),
+    "midlayer.self_attn.v_proj": ColwiseParallel(),
+    "midlayer.self_attn.o_proj": RowwiseParallel(),
+    "midlayer.mlp.gate_proj": ColwiseParallel(),
+    "midlayer.mlp.up_proj": ColwiseParallel(),
+    "midlayer.mlp.down_proj": RowwiseParallel(),
+}
+
+
+def parallelize_draft(draft: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
+    """TP on the draft's decoder layer (its TTT attention runs on the local heads), fc / norms /
+    lm_head replicated over tp; then FSDP2 over the data-parallel mesh, in place."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if dims.tp_enabled:
+        tp_mesh = dims.get_mesh("tp")
+        parallelize_module(draft, tp_mesh, DRAFT_TP_PLAN)
+        for module in (draft.fc, draft.lm_head):
+            _replicate_over(module, tp_mesh)
+        _replicate_norms(draft, tp_mesh)
+    if dims.fsdp_enabled or dims.dp_replicate_enabled:
+        mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],
+                                  reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce])
+        # The draft is driven through its methods (ttt_forward, logits), never its forward(): the
+        # FSDP units are the submodules those methods call.
+        layer = draft.midlayer
+        for module in (draft.fc, layer.input_layernorm, layer.hidden_norm, *layer.self_attn.children(),
+                       layer.post_attention_layernorm, layer.mlp, draft.norm, draft.lm_head):
+            fully_shard(module, mesh=_fsdp_mesh(dims), mp_policy=mp)
+        _average_over_dp(draft, dims)
+        _compat.fix_fsdp_reduce_ops(draft)
+    return draft
