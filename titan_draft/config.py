@@ -45,6 +45,8 @@ class Draft:
     """Gradient-norm clip of the draft's parameter group."""
     warmup_steps: int = 200
     """Offline draft training steps on the SFT policy's taps before RL."""
+    cp_mode: Literal["ring", "allgather"] = "ring"
+    """Context-parallel attention (policy and draft) when parallelism.context_parallel_degree > 1."""
 
 
 @dataclass
