@@ -156,3 +156,46 @@ def validate(cfg, world_size: int, n_layers: int, vocab_size: int) -> None:
          f"2 * context_parallel_degree = {2 * cp}; use a multiple of {2 * cp}")
     pp = p.pipeline_parallel_degree
     need(pp <= n_layers, f"parallelism.pipeline_parallel_degree: {pp} exceeds the policy's {n_layers} layers")
+    _validate_composition(cfg, world_size, need)
+
+
+def _validate_composition(cfg, world_size: int, need) -> None:
+    """Parallel layouts, data split, checkpointing and timeouts (titan_draft/parallel/parallelize.py,
+    titan_draft/checkpoint.py)."""
+    from titan_draft.models.policy import model_args
+
+    p, ck, comm = cfg.parallelism, cfg.checkpoint, cfg.comm
+    need(p.context_parallel_degree == 1, f"parallelism.context_parallel_degree: {p.context_parallel_degree} is not "
+         "supported by titan_draft.train yet (the CP ops exist, the job does not use them); set it to 1")
+    need(p.pipeline_parallel_degree == 1, f"parallelism.pipeline_parallel_degree: {p.pipeline_parallel_degree} is "
+         "not supported by titan_draft.train yet; set it to 1")
+    need(p.expert_parallel_degree == 1, f"parallelism.expert_parallel_degree: {p.expert_parallel_degree} is not "
+         "supported (dense policies only); set it to 1")
+    other = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.context_parallel_degree * \
+        p.pipeline_parallel_degree
+    dp = p.data_parallel_replicate_degree * (world_size // other if p.data_parallel_shard_degree == -1
+                                             else p.data_parallel_shard_degree)
+    need(cfg.rl.prompts_per_step % dp == 0, f"rl.prompts_per_step: {cfg.rl.prompts_per_step} does not divide "
+         f"among the {dp} data-parallel ranks; use a multiple of {dp}")
+    tp = p.tensor_parallel_degree
+    if tp > 1:
+        args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
+        need(cfg.model.name == "llama3", f"model.name: tensor parallelism is wired for llama3 only, not "
+             f"'{cfg.model.name}'; set parallelism.tensor_parallel_degree = 1")
+        heads = {"policy heads (model.flavor)": args.n_heads, "policy kv heads (model.flavor)": args.n_kv_heads or
+                 args.n_heads, "draft.n_heads": cfg.draft.n_heads or args.n_heads,
+                 "draft.n_kv_heads": cfg.draft.n_kv_heads or cfg.draft.n_heads or args.n_kv_heads or args.n_heads}
+        for key, count in heads.items():
+            need(count % tp == 0, f"parallelism.tensor_parallel_degree: {tp} does not divide the {count} {key}; "
+                 f"use a degree that divides it")
+    need(ck.async_mode == "disabled", f"checkpoint.async_mode: '{ck.async_mode}' is not supported; use 'disabled'")
+    need(not ck.last_save_in_hf, "checkpoint.last_save_in_hf: not supported (a full checkpoint keeps the draft); "
+         "export with `python -m titan_draft.hf` and `python -m titan_draft.export_draft`")
+    need(not ck.initial_load_in_hf and not ck.initial_load_path, "checkpoint.initial_load_in_hf / initial_load_path: "
+         "not supported; import Hugging Face weights with titan_draft.hf.load_policy")
+    need(ck.keep_latest_k == 0 or ck.keep_latest_k >= 2, f"checkpoint.keep_latest_k: {ck.keep_latest_k} must be 0 "
+         "(keep all) or >= 2 (the newest may be mid-save)")
+    need(ck.interval >= 1, f"checkpoint.interval: {ck.interval} must be >= 1 (RL steps between checkpoints)")
+    need(comm.init_timeout_seconds > 0 and comm.train_timeout_seconds > 0,
+         f"comm.init_timeout_seconds / train_timeout_seconds: {comm.init_timeout_seconds} / "
+         f"{comm.train_timeout_seconds} must be > 0 seconds")

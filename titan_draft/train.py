@@ -18,19 +18,24 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from titan_draft import _compat
+from titan_draft.checkpoint import IN_RL, SFT_DONE, WARMUP_DONE, JobCheckpoint, OptimizerState
 from titan_draft.config import parse_config, tap_layers, validate
 from titan_draft.cotrain import DraftOptimizer, draft_loss
 from titan_draft.grpo import group_advantages, grpo_loss, rollout_batch, token_entropy, token_logprobs
 from titan_draft.metrics import MetricsLogger
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
-from titan_draft.parallel.parallelize import (dp_group, dp_loss_scale, dp_rank_and_degree, mean_over_dp,
-                                              parallelize_policy, sum_over_dp)
+from titan_draft.parallel.parallelize import (build_parallel_dims, describe_rank, dp_group, dp_loss_scale,
+                                              dp_rank_and_degree, init_process_group, mean_over_dp,
+                                              parallelize_draft, parallelize_policy, set_collective_timeout,
+                                              sum_over_dp)
 from titan_draft.rollout import RolloutEngine
 from titan_draft.task import SortTask
 from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draft
+from torchtitan.components.checkpoint import ModelWrapper
 
 
 def build_models(cfg, device):
@@ -168,33 +173,69 @@ def main(argv: list[str]) -> None:
     cfg = parse_config(argv)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
-    validate(cfg, world_size, args.n_layers, args.vocab_size)
-    if world_size > 1:
-        raise SystemExit("titan_draft.train: multi-process runs need the parallel layouts (not wired in yet); "
-                         "use NGPU=1")
+    validate(cfg, world_size, args.n_layers, args.vocab_size)  # before any process group
+    init_process_group(cfg)
+    dims = build_parallel_dims(cfg, world_size) if world_size > 1 else None
+    try:
+        run(cfg, args, dims)
+    except (RuntimeError, dist.DistError) as err:  # collective timeouts included: say where
+        if dims is None:
+            raise
+        raise RuntimeError(f"{describe_rank(dims)} failed (collective timeouts: [comm] "
+                           f"init_timeout_seconds / train_timeout_seconds): {err}") from err
+    finally:
+        dist.destroy_process_group()
+
+
+def run(cfg, args, dims) -> None:
     device = _compat.device()
     seed = cfg.debug.seed if cfg.debug.seed is not None else 0
     torch.manual_seed(seed)
-    data_gen = torch.Generator().manual_seed(seed + 1)
-    rollout_gen = torch.Generator(device=device).manual_seed(seed + 2)
-    metrics = MetricsLogger(cfg.job.dump_folder)
+    data_gen = torch.Generator().manual_seed(seed + 1)  # the same prompts on every rank (each takes its share)
+    rollout_gen = torch.Generator(device=device).manual_seed(seed + 2 + 1000 * dp_rank_and_degree(dims)[0])
+    metrics = MetricsLogger(cfg.job.dump_folder, rank=dist.get_rank())
     task = SortTask(cfg.task.num_items, cfg.task.alphabet_size, args.vocab_size)
     _, policy, draft, layers = build_models(cfg, device)
-    d, rl, ro = cfg.draft, cfg.rl, cfg.rollout
-
-    # --- warm starts ----------------------------------------------------------------------------
-    sft_policy(policy, task, rl.sft_steps, rl.sft_lr, rl.sft_batch_size, cfg.task.sft_swap_prob, data_gen,
-               device, metrics)
-    draft_vocab_from_data(task, draft, data_gen, cfg.task.sft_swap_prob)
+    if dims is not None:
+        parallelize_policy(policy, dims, cfg)
+        parallelize_draft(draft, dims, cfg)
+    d, rl = cfg.draft, cfg.rl
+    checkpoint = JobCheckpoint(cfg, policy, draft, {"data": data_gen, "rollout": rollout_gen})
+    resume_phase = checkpoint.resume_phase()
     draft_opt = DraftOptimizer(draft, d.lr, d.max_norm)
-    if d.mode != "none":
-        draft_opt = warmup_draft(policy, draft, task, layers, d.warmup_steps, d.lr, d.max_norm, rl.sft_batch_size,
-                                 d.ttt_steps, d.pass_decay, cfg.task.sft_swap_prob, data_gen, device, metrics)
+
+    # --- warm starts (skipped when a checkpoint has them) ---------------------------------------
+    if resume_phase == SFT_DONE:
+        checkpoint.load()
+    elif resume_phase == WARMUP_DONE:
+        checkpoint.track(draft_optimizer=OptimizerState(draft, draft_opt.optimizer))
+        checkpoint.load()
+    if resume_phase < SFT_DONE:
+        sft_policy(policy, task, rl.sft_steps, rl.sft_lr, rl.sft_batch_size, cfg.task.sft_swap_prob, data_gen,
+                   device, metrics)
+        checkpoint.save(SFT_DONE)
+    if resume_phase < WARMUP_DONE:
+        draft_vocab_from_data(task, draft, data_gen, cfg.task.sft_swap_prob)
+        if d.mode != "none":
+            draft_opt = warmup_draft(policy, draft, task, layers, d.warmup_steps, d.lr, d.max_norm,
+                                     rl.sft_batch_size, d.ttt_steps, d.pass_decay, cfg.task.sft_swap_prob, data_gen,
+                                     device, metrics)
+        checkpoint.track(draft_optimizer=OptimizerState(draft, draft_opt.optimizer))
+        checkpoint.save(WARMUP_DONE)
 
     # --- RL ---------------------------------------------------------------------------------------
-    rl_state = RLState.create(cfg, args, task, policy, draft, draft_opt, layers, device, data_gen, rollout_gen)
-    for step in range(1, cfg.training.steps + 1):
+    rl_state = RLState.create(cfg, args, task, policy, draft, draft_opt, layers, device, data_gen, rollout_gen,
+                              dims)
+    checkpoint.track(policy_optimizer=OptimizerState(policy, rl_state.policy_opt),
+                     start_policy=ModelWrapper(rl_state.start_policy))
+    if resume_phase == IN_RL:
+        checkpoint.load()
+    for step in range(checkpoint.train_state.rl_step + 1, cfg.training.steps + 1):
         metrics.log("rl", step, rl_step(rl_state))
+        if step == 1 and dims is not None:  # the first step is done: tighten the collective timeout
+            set_collective_timeout(dims, cfg.comm.train_timeout_seconds)
+        checkpoint.save(IN_RL, step)
+    checkpoint.close()
     metrics.close()
 
 

@@ -15,6 +15,7 @@
   data-parallel ranks are multiplied by `dp_loss_scale` to make the average a sum.
 """
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -35,9 +36,13 @@ def build_parallel_dims(cfg, world_size: int) -> ParallelDims:
 
 
 def init_process_group(cfg) -> None:
-    """The default group, with [comm] init_timeout_seconds (torchrun's environment gives rank/size)."""
-    dist.init_process_group(_compat.backend(),
-                            timeout=datetime.timedelta(seconds=cfg.comm.init_timeout_seconds))
+    """The default group, with [comm] init_timeout_seconds. torchrun's environment gives rank and size;
+    a process started without it gets a group of one (torchtitan's checkpointing needs a group)."""
+    timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(_compat.backend(), timeout=timeout)
+    else:
+        dist.init_process_group(_compat.backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def set_collective_timeout(dims: ParallelDims, seconds: int) -> None:
