@@ -207,14 +207,16 @@ def ttt_loss(draft: EagleDraft, states: list[torch.Tensor], teacher_logits: torc
     so that callers normalise by the count over all ranks and micro-batches.
     """
     target_ids = draft.target_ids()
-    total = teacher_logits.new_zeros((), dtype=torch.float32)
+    # float32 arithmetic for bf16/fp16 drafts, but never below the draft's own precision (float64 tests).
+    dtype = torch.promote_types(states[0].dtype, torch.float32) if states else torch.float32
+    total = teacher_logits.new_zeros((), dtype=dtype)
     count = teacher_logits.new_zeros((), dtype=torch.float32)
     stats = []
     for d, hidden in enumerate(states, start=1):
         valid = shift(loss_mask.to(torch.float32), d) > 0
         teacher = shift(teacher_logits, d)
-        logits = draft.logits(hidden).float()
-        target = F.softmax(teacher[:, target_ids].float(), dim=-1)
+        logits = draft.logits(hidden).to(dtype)
+        target = F.softmax(teacher[:, target_ids].to(dtype), dim=-1)
         ce = -(target * F.log_softmax(logits, dim=-1)).sum(-1)
         n = valid.sum()
         total = total + pass_decay ** (d - 1) * (ce * valid).sum()
