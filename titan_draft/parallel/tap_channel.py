@@ -184,9 +184,9 @@ class TapChannel:
             self._wait(self.recvs.pop((stage, slot)), self.get_timeout,
                        f"received no tap features from stage {stage} (rank {r.src}) for microbatch {m} of "
                        f"step {self.step} on draft rank {self.rank}")
-            stamp = self.stamps[stage][slot]
+            stamp = self.stamps[stage][slot].clone()
             features = self.slots[stage][slot, : self.rows].clone()
-            if m + r.ring < self.n_microbatches:
+            if m + r.ring < self.n_microbatches:  # the slot is free again: it may land at once
                 self._post_recv(stage, m + r.ring)
         got = [int(x) for x in stamp.tolist()]
         if got != [self.step, m, stage]:
