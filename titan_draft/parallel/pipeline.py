@@ -147,6 +147,7 @@ class PipelineCoTrain:
     channel: TapChannel | None
     loss: CoTrainLoss  # used on the rank holding the last stage
     spec: CoTrainSpec
+    stage_ranks: list[int]  # pp rank of every stage
     n_microbatches: int
     microbatch_size: int
     dp_group: dist.ProcessGroup | None
@@ -229,5 +230,5 @@ def build_pipeline_cotrain(policy: nn.Module, draft: EagleDraft, spec: CoTrainSp
     job.parallelism.pipeline_parallel_microbatch_size = microbatch_size
     job.training.local_batch_size = n_microbatches * microbatch_size
     pp_schedule = build_pipeline_schedule(job, stages, loss)
-    return PipelineCoTrain(pp_schedule, stages, parts, channel, loss, spec, n_microbatches, microbatch_size,
-                           dp_group)
+    return PipelineCoTrain(pp_schedule, stages, parts, channel, loss, spec, stage_ranks, n_microbatches,
+                           microbatch_size, dp_group)
