@@ -205,10 +205,9 @@ def run(cfg, args, dims) -> None:
     draft_opt = DraftOptimizer(draft, d.lr, d.max_norm)
 
     # --- warm starts (skipped when a checkpoint has them) ---------------------------------------
-    if resume_phase == SFT_DONE:
-        checkpoint.load()
-    elif resume_phase == WARMUP_DONE:
+    if resume_phase >= WARMUP_DONE:
         checkpoint.track(draft_optimizer=OptimizerState(draft, draft_opt.optimizer))
+    if resume_phase in (SFT_DONE, WARMUP_DONE):
         checkpoint.load()
     if resume_phase < SFT_DONE:
         sft_policy(policy, task, rl.sft_steps, rl.sft_lr, rl.sft_batch_size, cfg.task.sft_swap_prob, data_gen,

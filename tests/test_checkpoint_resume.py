@@ -1,0 +1,81 @@
+"""Kill the training job (SIGKILL) mid-run and inside a checkpoint save; each resume continues from the
+latest COMPLETE checkpoint, and the RL metrics equal those of an uninterrupted run with the same seed."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from titan_draft.checkpoint import KILL_DURING_SAVE_ENV
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+TINY = ["--job.config_file", os.path.join(ROOT, "train_configs", "sort_tiny_cpu.toml"), "--model.flavor", "tiny_gqa",
+        "--training.seq_len", "16", "--task.num_items", "2", "--task.alphabet_size", "4", "--rl.sft_steps", "15",
+        "--draft.warmup_steps", "2", "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.sft_batch_size", "16",
+        "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "1",
+        "--metrics.no-enable-tensorboard"]
+TIMING = {"rollout_time_s", "rollout_tokens_per_s", "train_time_s"}
+
+
+def start(folder, env=None):
+    return subprocess.Popen([sys.executable, "-m", "titan_draft.train", *TINY, "--job.dump_folder", str(folder)],
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process, timeout=240):
+    _, err = process.communicate(timeout=timeout)
+    return process.returncode, err
+
+
+def rl_metrics(folder) -> dict[int, dict]:
+    """The last record of every RL step (a resumed run appends the steps it redoes)."""
+    path = os.path.join(folder, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return {r["step"]: {k: v for k, v in r.items() if k not in TIMING} for r in records if r["phase"] == "rl"}
+
+
+def complete_steps(folder) -> list[int]:
+    root = os.path.join(folder, "checkpoint")
+    return sorted(int(name.split("-")[1]) for name in os.listdir(root)
+                  if os.path.isfile(os.path.join(root, name, ".metadata")))
+
+
+def test_sigkill_mid_run_and_inside_save_resume_exactly(tmp_path):
+    reference, resumed = tmp_path / "uninterrupted", tmp_path / "killed"
+    uninterrupted = start(reference)
+
+    # 1. SIGKILL as soon as the first RL step is logged (its checkpoint may or may not be written).
+    run = start(resumed)
+    deadline = time.monotonic() + 240
+    while 1 not in rl_metrics(resumed):
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before its first RL step"
+        time.sleep(0.2)
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    killed_at = complete_steps(resumed)[-1]
+    assert killed_at >= 2  # SFT (step-1) and warm-up (step-2) were saved
+
+    # 2. Resume; SIGKILL inside the save of RL step 3 (progress id 5): data files written, no .metadata.
+    code, err = finish(start(resumed, {KILL_DURING_SAVE_ENV: "5"}))
+    assert code == -signal.SIGKILL, err[-2000:]
+    partial = os.path.join(resumed, "checkpoint", "step-5")
+    assert os.path.isdir(partial) and os.listdir(partial) and not os.path.exists(os.path.join(partial, ".metadata"))
+    assert complete_steps(resumed)[-1] == 4
+
+    # 3. Resume from step-4 (RL step 2), not the partial step-5, and run to the end.
+    code, err = finish(start(resumed))
+    assert code == 0, err[-2000:]
+    code, err = finish(uninterrupted)
+    assert code == 0, err[-2000:]
+
+    want, got = rl_metrics(reference), rl_metrics(resumed)
+    assert sorted(want) == sorted(got) == [1, 2, 3, 4]
+    assert any(r["policy_loss"] != 0 for r in want.values()) and want[1]["draft_loss"] != want[4]["draft_loss"]
+    for step in want:  # bit-exact: the same computation from restored weights, moments and RNG states
+        assert got[step] == want[step], step
+    assert complete_steps(resumed) == complete_steps(reference) == [1, 2, 3, 4, 5, 6]
