@@ -3,11 +3,14 @@ cache), the training-time draft (ttt_forward + branch_attention), and plain gree
 import pytest
 import torch
 
+from titan_draft import _compat
 from titan_draft.cotrain import local_draft_inputs
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.packing import pack
-from titan_draft.rollout import RolloutEngine
+from titan_draft.rollout import RolloutEngine, probs_from_logits
+
+DEVICE = _compat.device()  # the engine runs where the policy does: the CUDA path on a GPU machine
 
 TAPS = [0, 1, 3]
 MAX_LEN = 40
@@ -23,8 +26,8 @@ def make(name="llama3", max_batch_size=4, draft_vocab=24, seed=0):
     draft = EagleDraft(dargs)
     draft.init_weights()
     draft.set_vocab(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values)
-    draft.double()
-    engine = RolloutEngine(args, dargs, TAPS, max_batch_size, MAX_LEN, "cpu", torch.float64)
+    draft.double().to(DEVICE)
+    engine = RolloutEngine(args, dargs, TAPS, max_batch_size, MAX_LEN, DEVICE, torch.float64)
     engine.load_weights(policy, draft)
     return policy, draft, engine
 
@@ -32,7 +35,7 @@ def make(name="llama3", max_batch_size=4, draft_vocab=24, seed=0):
 @torch.no_grad()
 def reference_logits(policy, seqs):
     """torchtitan forward_packed over the sequences as packed documents, with its taps."""
-    batch = pack(list(seqs), [torch.ones(len(s), dtype=torch.bool) for s in seqs])
+    batch = pack([s.cpu() for s in seqs], [torch.ones(len(s), dtype=torch.bool) for s in seqs]).to(DEVICE)
     with TapRecorder(policy, TAPS) as rec:
         logits = forward_packed(policy, batch)
     return logits, rec.taps(), rec.embeddings(), batch
@@ -45,28 +48,29 @@ def test_cached_policy_equals_torchtitan_forward_with_rollback(name):
     policy, _, engine = make(name)
     gen = torch.Generator().manual_seed(1)
     B, P, T = 3, 5, 30
-    seqs = torch.randint(0, VOCAB, (B, T), generator=gen)
+    seqs = torch.randint(0, VOCAB, (B, T), generator=gen).to(DEVICE)
     ref_logits, ref_taps, _, _ = reference_logits(policy, seqs)
     ref_logits, ref_taps = ref_logits.view(B, T, -1), ref_taps.view(B, T, -1)
 
-    logits, taps, _ = engine.policy_forward(seqs[:, :P], torch.arange(P).expand(B, P))
+    logits, taps, _ = engine.policy_forward(seqs[:, :P], torch.arange(P, device=DEVICE).expand(B, P))
     torch.testing.assert_close(logits, ref_logits[:, :P], rtol=0, atol=1e-10)
     torch.testing.assert_close(taps, ref_taps[:, :P], rtol=0, atol=1e-10)
-    start = torch.full((B,), P)
-    rows = torch.arange(B)
+    start = torch.full((B,), P, device=DEVICE)
+    rows = torch.arange(B, device=DEVICE)
     checked = 0
     while int(start.max()) + 3 <= T:
-        positions = start[:, None] + torch.arange(3)
+        positions = start[:, None] + torch.arange(3, device=DEVICE)
         window = seqs[rows[:, None], positions.clamp(max=T - 1)]
         if checked % 2:  # garbage after the kept part must not matter: it is rolled back
-            window = torch.randint(0, VOCAB, window.shape, generator=gen).where(torch.arange(3) > 0, window)
+            noise = torch.randint(0, VOCAB, window.shape, generator=gen).to(DEVICE)
+            window = noise.where(torch.arange(3, device=DEVICE) > 0, window)
         logits, taps, _ = engine.policy_forward(window, positions)
         torch.testing.assert_close(logits[:, 0], ref_logits[rows, start], rtol=0, atol=1e-10)
         torch.testing.assert_close(taps[:, 0], ref_taps[rows, start], rtol=0, atol=1e-10)
         if checked % 2 == 0:
             torch.testing.assert_close(logits, ref_logits[rows[:, None], positions], rtol=0, atol=1e-10)
         keep = torch.randint(1, 4, (B,), generator=gen) if checked % 2 == 0 else torch.ones(B, dtype=torch.long)
-        start = start + keep
+        start = start + keep.to(DEVICE)
         checked += 1
     assert checked > 8
 
@@ -77,19 +81,19 @@ def test_draft_inference_equals_training_time_test():
     policy, draft, engine = make()
     gen = torch.Generator().manual_seed(2)
     B, T, D = 3, 17, 4
-    seqs = torch.randint(0, VOCAB, (B, T), generator=gen)
+    seqs = torch.randint(0, VOCAB, (B, T), generator=gen).to(DEVICE)
     _, ref_taps, ref_emb, batch = reference_logits(policy, seqs)
     with torch.no_grad():
         states = draft.ttt_forward(ref_emb, ref_taps, batch.positions, D, *local_draft_inputs(batch))
     states = [s.view(B, T, -1) for s in states]
 
-    anchor = torch.tensor([9, 5, 11])  # anchors of different rows differ
+    anchor = torch.tensor([9, 5, 11], device=DEVICE)  # anchors of different rows differ
     n_anchors = int(anchor.max()) + 1
-    _, taps, emb = engine.policy_forward(seqs[:, :n_anchors], torch.arange(n_anchors).expand(B, -1))
+    _, taps, emb = engine.policy_forward(seqs[:, :n_anchors], torch.arange(n_anchors, device=DEVICE).expand(B, -1))
     torch.testing.assert_close(taps, ref_taps.view(B, T, -1)[:, :n_anchors], rtol=0, atol=1e-10)
     next_emb = engine.policy.tok_embeddings(seqs[:, 1:n_anchors + 1])
-    hidden = engine.draft_extend(next_emb, taps, torch.zeros(B, dtype=torch.long), anchor + 1)
-    rows = torch.arange(B)
+    hidden = engine.draft_extend(next_emb, taps, torch.zeros_like(anchor), anchor + 1)
+    rows = torch.arange(B, device=DEVICE)
     torch.testing.assert_close(hidden, states[0][rows, anchor], rtol=0, atol=1e-10)
     for k in range(2, D + 1):
         emb_k = engine.policy.tok_embeddings(seqs[rows, anchor + k])
@@ -102,7 +106,7 @@ def reference_greedy(policy, prompt, max_new_tokens, eos_id):
     seq = prompt.clone()
     for _ in range(max_new_tokens):
         logits, _, _, _ = reference_logits(policy, [seq])
-        seq = torch.cat([seq, logits[-1].argmax()[None]])
+        seq = torch.cat([seq, logits[-1].argmax()[None].cpu()])
         if int(seq[-1]) == eos_id:
             break
     return seq
@@ -145,8 +149,8 @@ def test_perfect_draft_accepts_everything():
 
     def oracle(hidden, anchor, K, temperature, top_p):
         # t_k must be the token at position anchor + 1 + k of the greedy sequence.
-        pos = (anchor[:, None] + 2 + torch.arange(K)).clamp(max=target.shape[1] - 1)
-        tokens = target[torch.arange(len(anchor))[:, None], pos]
+        pos = (anchor[:, None] + 2 + torch.arange(K, device=DEVICE)).clamp(max=target.shape[1] - 1)
+        tokens = target.to(DEVICE)[torch.arange(len(anchor), device=DEVICE)[:, None], pos]
         return tokens, torch.nn.functional.one_hot(tokens, VOCAB).double()
 
     engine._propose = oracle
@@ -163,20 +167,21 @@ def test_caches_after_rollback_equal_fresh_prefill():
     gen = torch.Generator().manual_seed(5)
     B, P, N, K = 3, 5, 24, 3
     prompts = torch.randint(4, VOCAB, (B, P), generator=gen)
-    out = engine.generate(prompts, N, num_speculative_tokens=K, temperature=1.0, eos_id=NEVER, generator=gen)
+    out = engine.generate(prompts, N, num_speculative_tokens=K, temperature=1.0, eos_id=NEVER,
+                          generator=torch.Generator(DEVICE).manual_seed(5))
     assert out.acceptance_length < K + 1  # there were rejections
-    fresh = RolloutEngine(model_args("llama3", "tiny_gqa", MAX_LEN), draft.args, TAPS, B, MAX_LEN, "cpu", torch.float64)
+    fresh = RolloutEngine(model_args("llama3", "tiny_gqa", MAX_LEN), draft.args, TAPS, B, MAX_LEN, DEVICE, torch.float64)
     fresh.load_weights(policy, draft)
     length = P + N  # no eos: every row ran to its budget
-    seqs = out.tokens
-    _, taps, _ = fresh.policy_forward(seqs[:, : length - 1], torch.arange(length - 1).expand(B, -1))
+    seqs = out.tokens.to(DEVICE)
+    _, taps, _ = fresh.policy_forward(seqs[:, : length - 1], torch.arange(length - 1, device=DEVICE).expand(B, -1))
     for layer in range(len(engine.k_cache)):
         torch.testing.assert_close(engine.k_cache[layer][:B, : length - 1], fresh.k_cache[layer][:B, : length - 1],
                                    rtol=0, atol=1e-10)
         torch.testing.assert_close(engine.v_cache[layer][:B, : length - 1], fresh.v_cache[layer][:B, : length - 1],
                                    rtol=0, atol=1e-10)
-    fresh.draft_extend(fresh.policy.tok_embeddings(seqs[:, 1:length]), taps, torch.zeros(B, dtype=torch.long),
-                       torch.full((B,), length - 1))
+    fresh.draft_extend(fresh.policy.tok_embeddings(seqs[:, 1:length]), taps, torch.zeros(B, dtype=torch.long, device=DEVICE),
+                       torch.full((B,), length - 1, device=DEVICE))
     # The last verify step of a row starts at most K + 1 tokens before its end; the trunk holds
     # every anchor before that step's first position.
     known = length - 1 - (K + 1)
@@ -190,16 +195,14 @@ def test_sampled_speculative_generation_is_lossless():
     policy, _, engine = make(max_batch_size=2000)
     prompt = torch.tensor([1, 7, 9, 4, 12])
     P, n = len(prompt), 2000
-    gen = torch.Generator().manual_seed(6)
+    gen = torch.Generator(DEVICE).manual_seed(6)
     out = engine.generate(prompt.expand(n, P).contiguous(), 3, num_speculative_tokens=2, temperature=0.8,
                           top_p=0.9, eos_id=NEVER, generator=gen)
-    from titan_draft.rollout import probs_from_logits
-
     first = probs_from_logits(reference_logits(policy, [prompt])[0][-1], 0.8, 0.9)
-    support = first.nonzero()[:, 0]
+    support = first.nonzero()[:, 0].cpu()
     seqs = [torch.cat([prompt, t[None]]) for t in support]
     second = probs_from_logits(torch.stack([reference_logits(policy, [s])[0][-1] for s in seqs]), 0.8, 0.9)
-    marginal = (first[support, None] * second).sum(0).double()
+    marginal = (first[support, None] * second).sum(0).double().cpu()
     counts = torch.bincount(out.tokens[:, P + 1], minlength=VOCAB).double()
     expected = marginal * n
     assert counts[expected == 0].sum() == 0
@@ -229,7 +232,7 @@ def test_bad_inputs():
         kwargs = dict(prompts=prompts, max_new_tokens=4, num_speculative_tokens=2, eos_id=2) | override
         with pytest.raises(ValueError, match=match):
             engine.generate(kwargs.pop("prompts"), kwargs.pop("max_new_tokens"), **kwargs)
-    no_draft = RolloutEngine(model_args("llama3", "tiny_gqa", MAX_LEN), None, TAPS, 2, MAX_LEN, "cpu", torch.float64)
+    no_draft = RolloutEngine(model_args("llama3", "tiny_gqa", MAX_LEN), None, TAPS, 2, MAX_LEN, DEVICE, torch.float64)
     with pytest.raises(ValueError, match="needs a draft"):
         no_draft.generate(prompts, 4, num_speculative_tokens=2, eos_id=2)
     with pytest.raises(ValueError, match="load_weights"):
@@ -238,4 +241,4 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="load_weights"):
         engine.load_weights(other)
     with pytest.raises(ValueError, match="tap_layers"):
-        RolloutEngine(model_args("llama3", "tiny_gqa", MAX_LEN), draft.args, [1, 2], 2, MAX_LEN, "cpu")
+        RolloutEngine(model_args("llama3", "tiny_gqa", MAX_LEN), draft.args, [1, 2], 2, MAX_LEN, DEVICE)
