@@ -190,7 +190,7 @@ def _validate_composition(cfg, world_size: int, need) -> None:
                  f"use a degree that divides it")
     need(ck.async_mode == "disabled", f"checkpoint.async_mode: '{ck.async_mode}' is not supported; use 'disabled'")
     need(not ck.last_save_in_hf, "checkpoint.last_save_in_hf: not supported (a full checkpoint keeps the draft); "
-         "export with `python -m titan_draft.hf` and `python -m titan_draft.export_draft`")
+         "export with titan_draft.hf.save_policy and `python -m titan_draft.export_draft`")
     need(not ck.initial_load_in_hf and not ck.initial_load_path, "checkpoint.initial_load_in_hf / initial_load_path: "
          "not supported; import Hugging Face weights with titan_draft.hf.load_policy")
     need(ck.keep_latest_k == 0 or ck.keep_latest_k >= 2, f"checkpoint.keep_latest_k: {ck.keep_latest_k} must be 0 "
