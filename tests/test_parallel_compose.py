@@ -34,8 +34,9 @@ def fixed_rollouts(cfg, task):
     return Rollouts(prompts, torch.cat([prompts, responses], 1), lengths, {})
 
 
-def cotrain_step(argv, dims_from_world: bool):
-    """One train_on() step; returns (metrics, {param: grad}) with full (gathered) gradients."""
+def cotrain_step(argv, dims_from_world: bool, poison_draft: bool = False):
+    """One train_on() step; returns (metrics, {param: grad}) with full (gathered) gradients.
+    poison_draft puts a NaN into the draft's lm_head, so its loss is not finite."""
     from torch.distributed.tensor import DTensor
 
     from titan_draft.cotrain import DraftOptimizer
@@ -50,6 +51,9 @@ def cotrain_step(argv, dims_from_world: bool):
     args, policy, draft, layers = build_models(cfg, device)
     task = SortTask(cfg.task.num_items, cfg.task.alphabet_size, args.vocab_size)
     draft_vocab_from_data(task, draft, torch.Generator().manual_seed(5), 0.0)
+    if poison_draft:
+        with torch.no_grad():
+            draft.lm_head.weight[0, 0] = float("nan")
     dims = None
     if dims_from_world:
         dims = build_parallel_dims(cfg, torch.distributed.get_world_size())
@@ -102,3 +106,14 @@ def test_fsdp2_x_tp_equals_single_process(single_process_step):
     results = run_distributed(_worker, 4, argv, timeout=150)
     for result in results:
         assert_same_step(single_process_step, result)
+
+
+def test_non_finite_draft_loss_skips_the_draft_update_only(single_process_step):
+    metrics, grads = cotrain_step(TINY, dims_from_world=False, poison_draft=True)
+    assert metrics["draft_updates_skipped"] == 1 and single_process_step[0]["draft_updates_skipped"] == 0
+    assert not any(name.startswith("draft.") for name in grads)  # the draft optimizer never stepped
+    policy_grads = {k: v for k, v in single_process_step[1].items() if k.startswith("policy.")}
+    assert grads.keys() == policy_grads.keys()
+    for name, grad in policy_grads.items():  # the policy's update is exactly the healthy run's
+        assert torch.equal(grads[name], grad), name
+    assert metrics["policy_loss"] == single_process_step[0]["policy_loss"]
