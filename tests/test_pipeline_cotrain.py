@@ -193,3 +193,14 @@ def test_pipeline_cotrain_equals_single_process(world_size, pp_degrees):
     results = run_distributed(pipeline_worker, world_size, pp_degrees, ALL_SCHEDULES, timeout=170)
     for pp in pp_degrees:
         check([per_rank[pp] for per_rank in results], ALL_SCHEDULES)
+
+
+def test_bad_settings_name_the_argument():
+    policy, draft = tiny_policy_and_draft()
+    kwargs = dict(pp_mesh=None, pipelines=[[0]], schedule="1F1B", n_microbatches=2, microbatch_size=1, seq_len=8)
+    with pytest.raises(ValueError, match=r"spec.tap_layers: \[3, 1\] must be distinct, ascending and in 0..5"):
+        build_pipeline_cotrain(policy, draft, CoTrainSpec(tap_layers=[3, 1]), **kwargs)
+    with pytest.raises(ValueError, match=r"spec.tap_layers: \[1, 6\]"):
+        build_pipeline_cotrain(policy, draft, CoTrainSpec(tap_layers=[1, 6]), **kwargs)
+    with pytest.raises(ValueError, match="draft: built for 3 taps of width 32, the policy gives 2 of width 32"):
+        build_pipeline_cotrain(policy, draft, CoTrainSpec(tap_layers=[1, 3]), **kwargs)

@@ -68,8 +68,8 @@ def target_counts(labels: torch.Tensor, ttt_steps: int, group: dist.ProcessGroup
     Pass d at anchor i is trained on row i + d of the same document when that row is trained.
     """
     trained = labels != IGNORE
-    counts = torch.stack([trained.sum()] + [trained[:, d:].sum() for d in range(1, ttt_steps + 1)]).float()
-    counts = torch.stack([counts[0], counts[1:].sum()])
+    pairs = sum(trained[:, d:].sum() for d in range(1, ttt_steps + 1))
+    counts = torch.stack([trained.sum(), pairs]).float()
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)
     return counts[0], counts[1]
@@ -189,10 +189,17 @@ def build_pipeline_cotrain(policy: nn.Module, draft: EagleDraft, spec: CoTrainSp
     taps=False builds the identical pipeline without channel or draft (the plain policy), for
     checking that the schedule's own communication does not change.
     """
+    n_layers = len(policy.layers)
+    layers = list(spec.tap_layers)
+    if layers != sorted(set(layers)) or not all(0 <= i < n_layers for i in layers):
+        raise ValueError(f"spec.tap_layers: {layers} must be distinct, ascending and in 0..{n_layers - 1}")
+    if taps and (draft.args.n_taps != len(layers) or draft.args.dim != policy.model_args.dim):
+        raise ValueError(f"draft: built for {draft.args.n_taps} taps of width {draft.args.dim}, the policy gives "
+                         f"{len(layers)} of width {policy.model_args.dim}; build it with draft_args_for(policy "
+                         f"args, n_taps=len(spec.tap_layers))")
     pp = pp_mesh.size()
     multi = issubclass(get_schedule_class(schedule), PipelineScheduleMulti)
     num_stages = pp * (2 if multi else 1)
-    n_layers = len(policy.layers)
     names = generate_llm_fqn_per_model_part(num_stages, n_layers)
     device = _compat.device()
     _, parts = pipeline_module_split(policy, pp_mesh, schedule, device, names)

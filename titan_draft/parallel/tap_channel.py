@@ -212,11 +212,12 @@ class TapChannel:
                                        f"step {self.step} of {self.n_microbatches} microbatches (rank {self.rank})")
 
     def _wait(self, works: list[dist.Work], timeout: float, what: str) -> None:
+        start = perf_counter()
         try:
             for work in works:
                 work.wait(timedelta(seconds=timeout))
         except RuntimeError as e:
-            if "imed out" not in str(e) and "imeout" not in str(e):
+            if perf_counter() - start < 0.9 * timeout:  # a failure, not the timeout: keep the backend's error
                 raise
             raise TimeoutError(f"TapChannel timeout after {timeout:g} s: {what}") from e
 
