@@ -170,3 +170,28 @@ def test_schedules_cover_the_causal_mask_exactly_once(cp_size):
         gathered = torch.cat([layout.global_rows(j) for j in range(cp_size)])
         blocks = allgather_blocks(layout)
         assert sorted(_pairs(blocks, layout, [gathered] * len(blocks))) == expected
+
+
+class _FakeMesh:
+    """Stands in for a 1-D DeviceMesh where only the argument checks run."""
+    ndim = 1
+
+    def size(self):
+        return 2
+
+    def get_local_rank(self):
+        return 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(mode="ulysses"), "mode: 'ulysses'"),
+    (dict(cp_mesh=None), "cp_mesh: needs a 1-D DeviceMesh"),
+    (dict(cu_seqlens=torch.tensor([0, 8])), "cu_seqlens: needs the GLOBAL padded"),
+    (dict(cu_seqlens=torch.tensor([0, 6], dtype=torch.int32)), "not a multiple of 2 \\* cp_size = 4"),
+    (dict(cu_seqlens=torch.tensor([0, 16], dtype=torch.int32)), "q: 4 rows, but the global cu_seqlens give 8"),
+])
+def test_bad_arguments_raise_one_clear_error(kwargs, message):
+    q, k = torch.randn(4, 4, 8), torch.randn(4, 2, 8)
+    call = {**dict(cu_seqlens=torch.tensor([0, 8], dtype=torch.int32), cp_mesh=_FakeMesh(), mode="ring"), **kwargs}
+    with pytest.raises(ValueError, match=message):
+        cp_branch_attention(q, k, k, **call)

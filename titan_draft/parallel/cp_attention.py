@@ -255,7 +255,9 @@ class _GatheredBranchAttention(torch.autograd.Function):
 
 @lru_cache(maxsize=16)
 def _cached_layout(bounds: tuple[int, ...], device: str, cp_size: int, cp_rank: int) -> ZigzagLayout:
-    return ZigzagLayout(torch.tensor(bounds, dtype=torch.int32, device=device), cp_size, cp_rank)
+    layout = ZigzagLayout(torch.tensor(bounds, dtype=torch.int32, device=device), cp_size, cp_rank)
+    layout.chunk_lengths  # raises here if a document is not a multiple of 2 * cp_size
+    return layout
 
 
 def zigzag_layout(cu_seqlens: torch.Tensor, cp_mesh) -> ZigzagLayout:
@@ -282,6 +284,11 @@ def cp_branch_attention(q, k, v, branch_k=None, branch_v=None, cu_seqlens=None, 
     if mode not in MODES:
         raise ValueError(f"mode: '{mode}' is not a CP attention mode; use one of {MODES}")
     layout = zigzag_layout(cu_seqlens, cp_mesh)
+    local_tokens = int(cu_seqlens[-1]) // layout.cp_size
+    if q.dim() < 1 or q.shape[0] != local_tokens:
+        raise ValueError(f"q: {q.shape[0] if q.dim() else 0} rows, but the global cu_seqlens give "
+                         f"{local_tokens} per rank; pass this rank's zigzag rows (zigzag_shard) with "
+                         f"the GLOBAL padded cu_seqlens")
     validate_branch_inputs(q, k, v, branch_k, branch_v, layout.local_cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
