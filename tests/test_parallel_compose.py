@@ -117,3 +117,29 @@ def test_non_finite_draft_loss_skips_the_draft_update_only(single_process_step):
     for name, grad in policy_grads.items():  # the policy's update is exactly the healthy run's
         assert torch.equal(grads[name], grad), name
     assert metrics["policy_loss"] == single_process_step[0]["policy_loss"]
+
+
+def _timeout_worker(rank, world_size, argv):
+    import time
+
+    import torch.distributed as dist
+
+    from titan_draft.parallel.parallelize import build_parallel_dims, describe_rank, dp_group, set_collective_timeout
+
+    cfg = parse_config(argv)
+    dims = build_parallel_dims(cfg, world_size)
+    set_collective_timeout(dims, cfg.comm.train_timeout_seconds)
+    if rank == 1:  # a stuck rank: never joins the collective
+        time.sleep(12)
+        return None
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        dist.all_reduce(torch.ones(1), group=dp_group(dims))
+    return describe_rank(dims), time.monotonic() - start, str(err.value)
+
+
+def test_train_timeout_from_config_fires_and_names_the_rank():
+    argv = TINY + ["--parallelism.data_parallel_shard_degree", "2", "--comm.train_timeout_seconds", "3"]
+    where, waited, _ = run_distributed(_timeout_worker, 2, argv, timeout=100)[0]
+    assert where == "rank 0 (fsdp 0/2)"
+    assert 2.5 < waited < 11  # the configured 3 s, not the 300 s init timeout
