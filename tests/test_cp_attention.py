@@ -29,11 +29,13 @@ def _random_lengths(generator, cp_size):
 
 def _max_diff(a, b):
     assert a.shape == b.shape, (a.shape, b.shape)
-    return (a - b).abs().max().item() if a.numel() else 0.0
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
-def _attention_errors(mesh, mode, passes, seed):
-    """Max |CP - reference| of out, lse and every gradient on this rank's rows."""
+def _attention_errors(mesh, mode, passes, seed, dtype=torch.float64):
+    """|CP - reference| of out, lse and every gradient on this rank's rows: max absolute in
+    float64; for lower precision, relative to the largest reference value, the reference running
+    in float64 on the same rounded inputs (and every result must come back in its input's dtype)."""
     cp_size, rank = mesh.size(), mesh.get_local_rank()
     generator = torch.Generator().manual_seed(seed)
     _, padded = _random_lengths(generator, cp_size)
@@ -41,7 +43,7 @@ def _attention_errors(mesh, mode, passes, seed):
     tokens = int(cu[-1])
 
     def randn(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype).double()
 
     inputs = {"q": randn(tokens, Q_HEADS, HEAD_DIM), "k": randn(tokens, KV_HEADS, HEAD_DIM),
               "v": randn(tokens, KV_HEADS, HEAD_DIM)}
@@ -58,13 +60,20 @@ def _attention_errors(mesh, mode, passes, seed):
         return zigzag_shard(x, cu, cp_size, rank, dim)
 
     dims = {"branch_k": 1, "branch_v": 1}
-    mine = {name: local(x, dims.get(name, 0)).requires_grad_() for name, x in inputs.items()}
+    mine = {name: local(x, dims.get(name, 0)).to(dtype).requires_grad_() for name, x in inputs.items()}
     cp_out, cp_lse = cp_branch_attention(**mine, cu_seqlens=cu, cp_mesh=mesh, mode=mode)
-    (cp_out * local(grad_out)).sum().backward()
+    (cp_out * local(grad_out).to(dtype)).sum().backward()
 
-    errors = {"out": _max_diff(cp_out, local(out)), "lse": _max_diff(cp_lse, local(lse, 1))}
+    def error(value, expected):
+        scale = 1.0 if dtype == torch.float64 else max(expected.abs().max().item(), 1e-30)
+        return _max_diff(value, expected) / scale
+
+    errors = {"out": error(cp_out, local(out)), "lse": error(cp_lse, local(lse, 1))}
     for name, x in mine.items():
-        errors["d" + name] = _max_diff(x.grad, local(reference[name].grad, dims.get(name, 0)))
+        errors["d" + name] = error(x.grad, local(reference[name].grad, dims.get(name, 0)))
+    dtypes_ok = cp_out.dtype == dtype and cp_lse.dtype == torch.promote_types(dtype, torch.float32) and \
+        all(x.grad.dtype == dtype for x in mine.values())
+    errors["wrong_dtype"] = float(not dtypes_ok)
     return errors
 
 
@@ -100,6 +109,8 @@ def _all_cases(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,))
     results = {(mode, passes): _attention_errors(mesh, mode, passes, seed=100 + i)
                for mode in MODES for i, passes in enumerate(PASSES)}
+    for mode in MODES:
+        results[(mode, "bf16")] = _attention_errors(mesh, mode, 3, seed=200, dtype=torch.bfloat16)
     results["halo"] = _halo_shifts(mesh, seed=HALO_SEED)
     return results
 
@@ -116,6 +127,16 @@ def test_cp_branch_attention_matches_single_process(results, mode, passes):
         errors = result[(mode, passes)]
         assert set(errors) >= {"out", "lse", "dq", "dk", "dv"}
         assert max(errors.values()) < 1e-10, f"rank {rank}: {errors}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cp_branch_attention_in_bfloat16(results, mode):
+    # The fp32 merge and accumulators keep CP as accurate as the single-process op: both within
+    # bf16 rounding of the float64 result, and every output in its input's dtype.
+    for rank, result in enumerate(results):
+        errors = result[(mode, "bf16")]
+        assert errors.pop("wrong_dtype") == 0.0, f"rank {rank}"
+        assert max(errors.values()) < 2e-2, f"rank {rank}: {errors}"
 
 
 def test_halo_shift_matches_document_shift(results):
@@ -195,3 +216,12 @@ def test_bad_arguments_raise_one_clear_error(kwargs, message):
     call = {**dict(cu_seqlens=torch.tensor([0, 8], dtype=torch.int32), cp_mesh=_FakeMesh(), mode="ring"), **kwargs}
     with pytest.raises(ValueError, match=message):
         cp_branch_attention(q, k, k, **call)
+
+
+def test_apply_context_parallel_rejects_unknown_mode():
+    from titan_draft.packing import pack
+    from titan_draft.parallel import apply_context_parallel
+
+    batch = pack([torch.arange(5)], [torch.ones(5)])
+    with pytest.raises(ValueError, match="draft.cp_mode: 'zigzag' is not supported"):
+        apply_context_parallel(None, batch, _FakeMesh(), "zigzag")
