@@ -161,8 +161,9 @@ class PipelineCoTrain:
         return any(s.is_last for s in self.stages)
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor):
-        """tokens, labels [B, S] of this data-parallel replica (every rank passes them); returns the
-        step's (policy loss, draft loss), normalised over all replicas, on the last stage, else None."""
+        """tokens, labels [B, S] of this data-parallel replica (every rank passes them). Returns, on the
+        last stage (else None), this replica's (policy loss, unweighted draft loss): sums over its
+        microbatches divided by the counts of all replicas, so replicas' values add up to the step's."""
         rows, seq_len = tokens.shape
         if rows != self.n_microbatches * self.microbatch_size:
             raise ValueError(f"tokens: {rows} rows, expected n_microbatches x microbatch_size = "
