@@ -242,3 +242,35 @@ def test_bad_inputs():
         engine.load_weights(other)
     with pytest.raises(ValueError, match="tap_layers"):
         RolloutEngine(model_args("llama3", "tiny_gqa", MAX_LEN), draft.args, [1, 2], 2, MAX_LEN, DEVICE)
+
+
+def _load_sharded_worker(rank, world_size):
+    """On each rank: the same models, FSDP2-sharded; the engine loads them (gathering the DTensor
+    shards) and must then hold exactly the unsharded weights and generate the same tokens."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    policy, draft, reference = make()
+    prompts = torch.randint(4, VOCAB, (2, 5), generator=torch.Generator().manual_seed(7))
+    want = reference.generate(prompts, 10, num_speculative_tokens=3, temperature=0, eos_id=NEVER).tokens
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in policy.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(policy, mesh=mesh)
+    fully_shard(draft, mesh=mesh)
+    engine = RolloutEngine(model_args("llama3", "tiny_gqa", MAX_LEN), draft.args, TAPS, 2, MAX_LEN, DEVICE,
+                           torch.float64)
+    engine.load_weights(policy, draft)
+    same = all(torch.equal(a, b) for a, b in zip(engine.policy.state_dict().values(),
+                                                 reference.policy.state_dict().values()))
+    same &= all(torch.equal(a, b) for a, b in zip(engine.draft.state_dict().values(),
+                                                  reference.draft.state_dict().values()))
+    got = engine.generate(prompts, 10, num_speculative_tokens=3, temperature=0, eos_id=NEVER).tokens
+    return same, torch.equal(got, want)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="gloo ranks on CPU")
+def test_load_weights_from_fsdp_sharded_modules():
+    from distributed import run_distributed
+
+    assert run_distributed(_load_sharded_worker, 2, timeout=150) == [(True, True), (True, True)]
