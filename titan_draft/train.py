@@ -147,7 +147,7 @@ def train_on(s: RLState, r: Rollouts) -> dict:
                                            d.pass_decay, group=dp_group(s.dims))
         if d.mode == "cotrain":
             (dp_loss_scale(s.dims) * d.loss_weight * loss).backward()
-            s.draft_opt.step(loss)
+            s.draft_opt.step(sum_over_dp(loss.detach(), s.dims))  # one rank's NaN makes every rank skip
             draft_stats["draft_updates_skipped"] = s.draft_opt.skipped
 
     with torch.no_grad():
