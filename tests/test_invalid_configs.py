@@ -27,9 +27,9 @@ CASES = [  # (world size, overrides, exact message)
     (4, ["--parallelism.data_parallel_shard_degree", "3"],
      "parallelism.data_parallel_shard_degree: 3 x (replicate x tp x cp x pp = 1) = 3 != world size 4; "
      "set it to 4 or -1"),
-    (2, ["--parallelism.context_parallel_degree", "2"],
-     "parallelism.context_parallel_degree: 2 is not supported by titan_draft.train yet (the CP ops exist, "
-     "the job does not use them); set it to 1"),
+    (4, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+         "--rl.prompts_per_step", "5"],
+     "rl.prompts_per_step: 5 does not divide among the 2 data-parallel ranks; use a multiple of 2"),
     (2, ["--parallelism.pipeline_parallel_degree", "2"],
      "parallelism.pipeline_parallel_degree: 2 is not supported by titan_draft.train yet; set it to 1"),
     (1, ["--checkpoint.async_mode", "async"],

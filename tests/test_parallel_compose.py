@@ -119,6 +119,13 @@ def test_non_finite_draft_loss_skips_the_draft_update_only(single_process_step):
     assert metrics["policy_loss"] == single_process_step[0]["policy_loss"]
 
 
+def test_cp_x_fsdp2_equals_single_process(single_process_step):
+    argv = TINY + ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree", "2"]
+    results = run_distributed(_worker, 4, argv, timeout=150)
+    for result in results:
+        assert_same_step(single_process_step, result)
+
+
 def _timeout_worker(rank, world_size, argv):
     import time
 

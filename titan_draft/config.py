@@ -165,8 +165,6 @@ def _validate_composition(cfg, world_size: int, need) -> None:
     from titan_draft.models.policy import model_args
 
     p, ck, comm = cfg.parallelism, cfg.checkpoint, cfg.comm
-    need(p.context_parallel_degree == 1, f"parallelism.context_parallel_degree: {p.context_parallel_degree} is not "
-         "supported by titan_draft.train yet (the CP ops exist, the job does not use them); set it to 1")
     need(p.pipeline_parallel_degree == 1, f"parallelism.pipeline_parallel_degree: {p.pipeline_parallel_degree} is "
          "not supported by titan_draft.train yet; set it to 1")
     need(p.expert_parallel_degree == 1, f"parallelism.expert_parallel_degree: {p.expert_parallel_degree} is not "

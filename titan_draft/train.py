@@ -15,7 +15,7 @@ import copy
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,9 @@ from titan_draft.grpo import group_advantages, grpo_loss, rollout_batch, token_e
 from titan_draft.metrics import MetricsLogger
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
-from titan_draft.parallel.parallelize import (build_parallel_dims, describe_rank, dp_group, dp_loss_scale,
-                                              dp_rank_and_degree, init_process_group, mean_over_dp,
+from titan_draft.parallel import apply_context_parallel
+from titan_draft.parallel.parallelize import (build_parallel_dims, cp_mesh, describe_rank, dp_rank_and_degree,
+                                              init_process_group, loss_group, loss_scale, mean_over_dp,
                                               parallelize_draft, parallelize_policy, set_collective_timeout,
                                               sum_over_dp)
 from titan_draft.rollout import RolloutEngine
@@ -121,20 +122,26 @@ def train_on(s: RLState, r: Rollouts) -> dict:
     rewards = s.task.rewards(r.prompts, r.tokens[:, P:])
     advantages = group_advantages(rewards, rl.group_size)
     batch = rollout_batch(r.prompts, r.tokens, r.response_lengths).to(s.device)
+    shift = draft_attn = None
+    if cp_mesh(s.dims) is not None:  # this rank's zigzag rows of every document; ring attention in both policies
+        apply_context_parallel(s.start_policy, batch, cp_mesh(s.dims), max_shift=d.ttt_steps)
+        batch, shift, draft_attn = apply_context_parallel(s.policy, batch, cp_mesh(s.dims), max_shift=d.ttt_steps)
     row_advantages = advantages.to(s.device).repeat_interleave(batch.cu_seqlens.diff().long())
+    # The next token of every row (token_logprobs reads it from the batch): across shard edges under CP.
+    targets = batch if shift is None else replace(batch, tokens=shift(batch.tokens, 1).roll(1))
 
     # One policy forward: GRPO loss for the policy; taps and logits for the draft.
     with TapRecorder(s.policy, s.layers) as rec:
         logits = forward_packed(s.policy, batch)
-    logprobs = token_logprobs(logits, batch)
+    logprobs = token_logprobs(logits, targets)
     with torch.no_grad():
-        ref_logprobs = token_logprobs(forward_packed(s.start_policy, batch), batch)
-    # Losses are normalised by counts over all data-parallel ranks (FSDP averages: hence the scale).
+        ref_logprobs = token_logprobs(forward_packed(s.start_policy, batch), targets)
+    # Losses are normalised by counts over all ranks holding rows (FSDP averages: hence the scale).
     mask = batch.loss_mask
-    num_tokens = sum_over_dp(mask.sum().float(), s.dims)
+    num_tokens = sum_over_dp(mask.sum().float(), s.dims, "loss")
     policy_loss, pg_stats = grpo_loss(logprobs, logprobs.detach(), row_advantages, mask,
                                       rl.clip_eps, ref_logprobs, rl.kl_coef, num_tokens=num_tokens)
-    (dp_loss_scale(s.dims) * policy_loss).backward()
+    (loss_scale(s.dims) * policy_loss).backward()
     torch.nn.utils.clip_grad_norm_(s.policy.parameters(), cfg.training.max_norm)
     s.policy_opt.step()
     s.policy_opt.zero_grad(set_to_none=True)
@@ -144,19 +151,19 @@ def train_on(s: RLState, r: Rollouts) -> dict:
     if d.mode != "none":
         with torch.set_grad_enabled(d.mode == "cotrain"):
             loss, draft_stats = draft_loss(s.draft, rec.embeddings(), rec.taps(), logits, batch, d.ttt_steps,
-                                           d.pass_decay, group=dp_group(s.dims))
+                                           d.pass_decay, shift, draft_attn, group=loss_group(s.dims))
         if d.mode == "cotrain":
-            (dp_loss_scale(s.dims) * d.loss_weight * loss).backward()
-            s.draft_opt.step(sum_over_dp(loss.detach(), s.dims))  # one rank's NaN makes every rank skip
+            (loss_scale(s.dims) * d.loss_weight * loss).backward()
+            s.draft_opt.step(sum_over_dp(loss.detach(), s.dims, "loss"))  # one rank's NaN: every rank skips
             draft_stats["draft_updates_skipped"] = s.draft_opt.skipped
 
     with torch.no_grad():
-        totals = sum_over_dp(torch.stack([
-            rewards.sum().to(s.device), torch.tensor(float(len(rewards)), device=s.device), policy_loss.detach(),
-            token_entropy(logits[mask]).sum(), (logprobs.detach() - ref_logprobs)[mask].sum(),
+        reward_sum, num_samples = sum_over_dp(torch.stack([rewards.sum(), torch.tensor(float(len(rewards)))])
+                                              .to(s.device), s.dims).tolist()
+        policy_loss_total, entropy_sum, kl_sum, clipped = sum_over_dp(torch.stack([
+            policy_loss.detach(), token_entropy(logits[mask]).sum(), (logprobs.detach() - ref_logprobs)[mask].sum(),
             pg_stats["clip_frac"] * mask.sum(),
-        ]), s.dims).tolist()
-    reward_sum, num_samples, policy_loss_total, entropy_sum, kl_sum, clipped = totals
+        ]), s.dims, "loss").tolist()
     tokens = num_tokens.item()
     return {"reward_mean": reward_sum / num_samples, **draft_stats, "policy_loss": policy_loss_total,
             "entropy": entropy_sum / tokens, "kl_to_start": kl_sum / tokens, "clip_frac": clipped / tokens,

@@ -9,10 +9,11 @@
   the full logits (GRPO and the TTT teacher). The embeddings are row-parallel, the LM heads replicate
   their output. The draft's lm_head stays replicated: torch's loss_parallel implements only
   class-index targets, and the TTT loss has soft ones.
-- FSDP2: torchtitan's apply_fsdp for the policy, fully_shard for the draft. Data-parallel ranks
-  AVERAGE gradients (FSDP's divide factor = dp degree; torchtitan turns division off), so a warm
-  start that gives every rank the same batch is exact; losses normalised by counts over all
-  data-parallel ranks are multiplied by `dp_loss_scale` to make the average a sum.
+- FSDP2: torchtitan's apply_fsdp for the policy, fully_shard for the draft, over dp_shard x cp
+  (torchtitan's "fsdp" mesh). Gradients are AVERAGED over the loss mesh (dp x cp: FSDP's divide
+  factor; torchtitan turns division off), so a warm start that gives every rank the same batch is
+  exact; RL losses normalised by counts over the loss mesh are multiplied by `loss_scale` to make
+  the average the sum they need (context-parallel ranks hold disjoint rows of the same documents).
 """
 import datetime
 import os
@@ -81,9 +82,20 @@ def dp_rank_and_degree(dims: ParallelDims | None) -> tuple[int, int]:
     return (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
 
 
-def sum_over_dp(values: torch.Tensor, dims: ParallelDims | None) -> torch.Tensor:
-    """Sum of a (detached) tensor over the data-parallel ranks: global counts and metric totals."""
-    mesh = dp_mesh(dims) if dims is not None else None
+def loss_group(dims: ParallelDims | None):
+    """The process group of all ranks holding different rows (dp x cp), or None."""
+    mesh = dims.get_optional_mesh("loss") if dims is not None else None
+    return None if mesh is None else mesh.get_group()
+
+
+def cp_mesh(dims: ParallelDims | None):
+    return dims.get_optional_mesh("cp") if dims is not None else None
+
+
+def sum_over_dp(values: torch.Tensor, dims: ParallelDims | None, mesh_name: str = "batch") -> torch.Tensor:
+    """Sum of a (detached) tensor over the data-parallel ranks ("batch": per-sample totals) or over
+    dp x cp ("loss": per-row totals and counts)."""
+    mesh = dims.get_optional_mesh(mesh_name) if dims is not None else None
     if mesh is None:
         return values
     total = values.detach().clone()
@@ -100,10 +112,10 @@ def mean_over_dp(metrics: dict[str, float], dims: ParallelDims | None) -> dict[s
     return dict(zip(metrics, (totals / degree).tolist()))
 
 
-def dp_loss_scale(dims: ParallelDims | None) -> float:
-    """Factor that turns FSDP's average over data-parallel ranks into the sum that losses normalised
-    by global counts need."""
-    return 1.0 if dims is None else float(dims.dp_replicate * dims.dp_shard)
+def loss_scale(dims: ParallelDims | None) -> float:
+    """Factor that turns FSDP's average over the loss mesh (dp x cp) into the sum that losses
+    normalised by global counts need."""
+    return 1.0 if dims is None else float(dims.dp_replicate * dims.dp_shard * dims.cp)
 
 
 def _fsdp_mesh(dims: ParallelDims):
@@ -115,7 +127,7 @@ def _average_over_dp(model: nn.Module, dims: ParallelDims) -> None:
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(dp_loss_scale(dims))
+            module.set_gradient_divide_factor(loss_scale(dims))
 
 
 def parallelize_policy(policy: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
