@@ -147,7 +147,7 @@ def test_perfect_draft_accepts_everything():
     plain = engine.generate(prompts, N, num_speculative_tokens=0, temperature=0, eos_id=NEVER)
     target = plain.tokens
 
-    def oracle(hidden, anchor, K, temperature, top_p):
+    def oracle(hidden, anchor, K, temperature, top_p, generator):
         # t_k must be the token at position anchor + 1 + k of the greedy sequence.
         pos = (anchor[:, None] + 2 + torch.arange(K, device=DEVICE)).clamp(max=target.shape[1] - 1)
         tokens = target.to(DEVICE)[torch.arange(len(anchor), device=DEVICE)[:, None], pos]

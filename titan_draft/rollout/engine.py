@@ -241,21 +241,21 @@ class RolloutEngine:
         out = _attend(q[:, None], self.draft_k[:B], self.draft_v[:B], mask[:, None])
         return self.draft.complete(out[:, 0], hidden)
 
-    def _draft_distribution(self, hidden, temperature, top_p):
+    def _draft_distribution(self, hidden, temperature, top_p, generator):
         """q over the target vocabulary (0 outside the draft's) and one sample from it."""
         probs = probs_from_logits(self.draft.logits(hidden), temperature, top_p)
-        token = self._target_ids[sample(probs, self._generator)]
+        token = self._target_ids[sample(probs, generator)]
         q = probs.new_zeros(probs.shape[0], self.policy.output.out_features)
         q[:, self._target_ids] = probs
         return token, q
 
-    def _propose(self, hidden, anchor, K, temperature, top_p):
+    def _propose(self, hidden, anchor, K, temperature, top_p, generator):
         """K chained draft tokens [B, K] and their distributions [B, K, V] from pass 1's hidden."""
         tokens, probs = [], []
         for k in range(1, K + 1):
             if k > 1:
                 hidden = self._draft_pass(k, self.policy.tok_embeddings(tokens[-1]), hidden, anchor)
-            token, q = self._draft_distribution(hidden, temperature, top_p)
+            token, q = self._draft_distribution(hidden, temperature, top_p, generator)
             tokens.append(token)
             probs.append(q)
         return torch.stack(tokens, 1), torch.stack(probs, 1)
@@ -301,7 +301,6 @@ class RolloutEngine:
         """
         K = num_speculative_tokens
         self._check(prompts, max_new_tokens, K, temperature, top_p)
-        self._generator = generator
         timing = dict(draft_s=0.0, verify_s=0.0, other_s=0.0)
         wall = time.perf_counter()
         B, P = prompts.shape
@@ -329,7 +328,7 @@ class RolloutEngine:
             draft_tokens = draft_probs = None
             if K:
                 with self._clock(timing, "draft_s"):
-                    draft_tokens, draft_probs = self._propose(hidden, n - 1, K, temperature, top_p)
+                    draft_tokens, draft_probs = self._propose(hidden, n - 1, K, temperature, top_p, generator)
             with self._clock(timing, "verify_s"):
                 verify_in = tokens[rows, n][:, None]
                 if K:
