@@ -131,7 +131,7 @@ def _timeout_worker(rank, world_size, argv):
 
     import torch.distributed as dist
 
-    from titan_draft.parallel.parallelize import build_parallel_dims, describe_rank, dp_group, set_collective_timeout
+    from titan_draft.parallel.parallelize import build_parallel_dims, describe_rank, loss_group, set_collective_timeout
 
     cfg = parse_config(argv)
     dims = build_parallel_dims(cfg, world_size)
@@ -141,7 +141,7 @@ def _timeout_worker(rank, world_size, argv):
         return None
     start = time.monotonic()
     with pytest.raises(RuntimeError) as err:
-        dist.all_reduce(torch.ones(1), group=dp_group(dims))
+        dist.all_reduce(torch.ones(1), group=loss_group(dims))
     return describe_rank(dims), time.monotonic() - start, str(err.value)
 
 

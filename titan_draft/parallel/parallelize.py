@@ -9,6 +9,8 @@
   the full logits (GRPO and the TTT teacher). The embeddings are row-parallel, the LM heads replicate
   their output. The draft's lm_head stays replicated: torch's loss_parallel implements only
   class-index targets, and the TTT loss has soft ones.
+- Context parallel (cp): the RL step shards each packed batch with titan_draft.parallel's
+  apply_context_parallel (train.py); warm starts run whole batches on every rank.
 - FSDP2: torchtitan's apply_fsdp for the policy, fully_shard for the draft, over dp_shard x cp
   (torchtitan's "fsdp" mesh). Gradients are AVERAGED over the loss mesh (dp x cp: FSDP's divide
   factor; torchtitan turns division off), so a warm start that gives every rank the same batch is
@@ -66,19 +68,9 @@ def describe_rank(dims: ParallelDims) -> str:
     return f"rank {dist.get_rank()} ({', '.join(parts) or 'single'})"
 
 
-def dp_mesh(dims: ParallelDims):
-    """The mesh that splits the rollouts (dp_replicate x dp_shard), or None."""
-    return dims.get_optional_mesh("batch")
-
-
-def dp_group(dims: ParallelDims | None):
-    """The process group of the data-parallel ranks, or None."""
-    mesh = dp_mesh(dims) if dims is not None else None
-    return None if mesh is None else mesh.get_group()
-
-
 def dp_rank_and_degree(dims: ParallelDims | None) -> tuple[int, int]:
-    mesh = dp_mesh(dims) if dims is not None else None
+    """This rank's index among the data-parallel ranks (dp_replicate x dp_shard) that split the rollouts."""
+    mesh = dims.get_optional_mesh("batch") if dims is not None else None
     return (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
 
 
