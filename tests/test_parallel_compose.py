@@ -101,27 +101,17 @@ def single_process_step():
     return cotrain_step(TINY, dims_from_world=False)
 
 
-def test_fsdp2_x_tp_equals_single_process(single_process_step):
-    argv = TINY + ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
-    results = run_distributed(_worker, 4, argv, timeout=150)
-    for result in results:
-        assert_same_step(single_process_step, result)
+LAYOUTS = {  # 4 ranks each
+    "fsdp2_x_tp": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+    "cp_x_fsdp2": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree", "2"],
+    "cp_x_tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"],
+    "hsdp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+}
 
 
-def test_non_finite_draft_loss_skips_the_draft_update_only(single_process_step):
-    metrics, grads = cotrain_step(TINY, dims_from_world=False, poison_draft=True)
-    assert metrics["draft_updates_skipped"] == 1 and single_process_step[0]["draft_updates_skipped"] == 0
-    assert not any(name.startswith("draft.") for name in grads)  # the draft optimizer never stepped
-    policy_grads = {k: v for k, v in single_process_step[1].items() if k.startswith("policy.")}
-    assert grads.keys() == policy_grads.keys()
-    for name, grad in policy_grads.items():  # the policy's update is exactly the healthy run's
-        assert torch.equal(grads[name], grad), name
-    assert metrics["policy_loss"] == single_process_step[0]["policy_loss"]
-
-
-def test_cp_x_fsdp2_equals_single_process(single_process_step):
-    argv = TINY + ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree", "2"]
-    results = run_distributed(_worker, 4, argv, timeout=150)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_composed_layout_equals_single_process(single_process_step, layout):
+    results = run_distributed(_worker, 4, TINY + LAYOUTS[layout], timeout=150)
     for result in results:
         assert_same_step(single_process_step, result)
 
