@@ -5,6 +5,8 @@ both optimizers (the draft's once warmed up, the policy's RL AdamW once RL runs)
 (torch, the data and rollout generators; per rank) and the TrainState (finished phase, RL step).
 Folders are torchtitan's `<dump_folder>/<checkpoint.folder>/step-N` with N = progress: 1 after
 SFT, 2 after the draft warm-up, 2 + k after RL step k, so the latest folder is the furthest one.
+SFT and the draft warm-up are saved at their ends only: their own optimizer and LR schedule end
+with them (the draft's optimizer carries on into RL and is saved from then on). RL has no LR schedule.
 
 Complete or absent: DCP writes every data file first and `.metadata` last (to a temporary name,
 then renamed: torch/distributed/checkpoint/filesystem.py, FileSystemWriter.finish), and torchtitan's
