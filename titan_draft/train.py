@@ -236,9 +236,10 @@ def run(cfg, args, dims) -> None:
                      start_policy=ModelWrapper(rl_state.start_policy))
     if resume_phase == IN_RL:
         checkpoint.load()
-    for step in range(checkpoint.train_state.rl_step + 1, cfg.training.steps + 1):
+    first_step = checkpoint.train_state.rl_step + 1
+    for step in range(first_step, cfg.training.steps + 1):
         metrics.log("rl", step, rl_step(rl_state))
-        if step == 1 and dims is not None:  # the first step is done: tighten the collective timeout
+        if step == first_step and dims is not None:  # this run's first step is done: tighter timeout
             set_collective_timeout(dims, cfg.comm.train_timeout_seconds)
         checkpoint.save(IN_RL, step)
     checkpoint.close()
