@@ -104,7 +104,8 @@ def single_process_step():
 LAYOUTS = {  # 4 ranks each
     "fsdp2_x_tp": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
     "cp_x_fsdp2": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree", "2"],
-    "cp_x_tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"],
+    "cp_x_tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
+                "--draft.cp_mode", "allgather"],
     "hsdp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
 }
 

@@ -124,8 +124,9 @@ def train_on(s: RLState, r: Rollouts) -> dict:
     batch = rollout_batch(r.prompts, r.tokens, r.response_lengths).to(s.device)
     shift = draft_attn = None
     if cp_mesh(s.dims) is not None:  # this rank's zigzag rows of every document; ring attention in both policies
-        apply_context_parallel(s.start_policy, batch, cp_mesh(s.dims), max_shift=d.ttt_steps)
-        batch, shift, draft_attn = apply_context_parallel(s.policy, batch, cp_mesh(s.dims), max_shift=d.ttt_steps)
+        apply_context_parallel(s.start_policy, batch, cp_mesh(s.dims), d.cp_mode, max_shift=d.ttt_steps)
+        batch, shift, draft_attn = apply_context_parallel(s.policy, batch, cp_mesh(s.dims), d.cp_mode,
+                                                          max_shift=d.ttt_steps)
     row_advantages = advantages.to(s.device).repeat_interleave(batch.cu_seqlens.diff().long())
     # The next token of every row (token_logprobs reads it from the batch): across shard edges under CP.
     targets = batch if shift is None else replace(batch, tokens=shift(batch.tokens, 1).roll(1))
