@@ -45,10 +45,15 @@ class MetricsLogger:
 
 
 def progress(iterable, desc: str, enabled: bool = True):
-    """A progress bar for long loops (tqdm), silent on non-zero ranks."""
+    """A progress bar for long loops (tqdm), silent on non-zero ranks. Redrawn every second on a
+    terminal; every 10 s when the output is a pipe or a log file (torchrun --tee), so logs stay short."""
+    import sys
+
     from tqdm import tqdm
 
-    return tqdm(iterable, desc=desc, disable=not enabled, dynamic_ncols=True, mininterval=1.0)
+    interval = 1.0 if sys.stderr.isatty() else 10.0
+    return tqdm(iterable, desc=desc, disable=not enabled, dynamic_ncols=True, mininterval=interval,
+                maxinterval=interval)
 
 
 def _plain(v):

@@ -34,7 +34,7 @@ def sft_policy(policy, task: SortTask, steps: int, lr: float, batch_size: int, s
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
         if step % log_every == 0 or step == steps:
             metrics.log("sft", step, {"loss": loss.item()}, echo=False)
 
@@ -62,7 +62,7 @@ def warmup_draft(policy, draft: EagleDraft, task: SortTask, tap_layers: list[int
         loss, stats = draft_loss(draft, rec.embeddings(), rec.taps(), logits, batch, ttt_steps, pass_decay)
         loss.backward()
         optimizer.step(loss)
-        bar.set_postfix(loss=f"{stats['draft_loss']:.3f}", acc1=f"{stats['draft_acc_pass1']:.3f}")
+        bar.set_postfix(loss=f"{stats['draft_loss']:.3f}", acc1=f"{stats['draft_acc_pass1']:.3f}", refresh=False)
         if step % log_every == 0 or step == steps:
             metrics.log("draft_warmup", step, stats, echo=False)
     return optimizer
