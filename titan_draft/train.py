@@ -201,6 +201,9 @@ def run(cfg, args, dims) -> None:
     torch.manual_seed(seed)
     data_gen = torch.Generator().manual_seed(seed + 1)  # the same prompts on every rank (each takes its share)
     rollout_gen = torch.Generator(device=device).manual_seed(seed + 2 + 1000 * dp_rank_and_degree(dims)[0])
+    # The draft warm-up has its own data stream, so that every [draft] mode (none skips the warm-up)
+    # starts RL on the same prompts.
+    warmup_gen = torch.Generator().manual_seed(seed + 3)
     metrics = MetricsLogger(cfg.job.dump_folder, rank=dist.get_rank())
     task = SortTask(cfg.task.num_items, cfg.task.alphabet_size, args.vocab_size)
     _, policy, draft, layers = build_models(cfg, device)
@@ -225,7 +228,7 @@ def run(cfg, args, dims) -> None:
         draft_vocab_from_data(task, draft, data_gen, cfg.task.sft_swap_prob)
         if d.mode != "none":
             draft_opt = warmup_draft(policy, draft, task, layers, d.warmup_steps, d.lr, d.max_norm,
-                                     rl.sft_batch_size, d.ttt_steps, d.pass_decay, cfg.task.sft_swap_prob, data_gen,
+                                     rl.sft_batch_size, d.ttt_steps, d.pass_decay, cfg.task.sft_swap_prob, warmup_gen,
                                      device, metrics)
         checkpoint.track(draft_optimizer=OptimizerState(draft, draft_opt.optimizer))
         checkpoint.save(WARMUP_DONE)
