@@ -19,20 +19,17 @@
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import MIXES, document_lengths, median_time, write_json  # noqa: E402
 from titan_draft.ops import branch_attention  # noqa: E402
 from titan_draft.packing import cu_seqlens_from_lengths  # noqa: E402
 from titan_draft.parallel import ZigzagLayout, cp_branch_attention  # noqa: E402
 from titan_draft.parallel.cp_attention import MODES  # noqa: E402
-
-MIXES = ("lognormal", "pareto", "one_long")
 
 
 def parse_args():
@@ -60,23 +57,6 @@ def parse_args():
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
-
-
-def document_lengths(mix: str, total: int, generator: torch.Generator, multiple: int = 1) -> list[int]:
-    """Lengths summing to `total`, each a multiple of `multiple`, drawn from a long-tailed mix:
-    lognormal (median 1K, sigma 1.5), pareto (alpha 1.1, from 128), one_long (half the tokens in
-    one document, the rest lognormal)."""
-    lengths = []
-    if mix == "one_long":
-        lengths.append(total // 2 // multiple * multiple)
-    while sum(lengths) < total:
-        if mix == "pareto":
-            draw = 128 * float(torch.rand((), generator=generator)) ** (-1 / 1.1)
-        else:
-            draw = float(torch.empty(()).log_normal_(mean=6.9, std=1.5, generator=generator))
-        length = max(multiple, round(draw / multiple) * multiple)
-        lengths.append(min(length, total - sum(lengths)))
-    return lengths
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,11 +132,6 @@ def load_balance(args) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def local_inputs(args, tokens, device, dtype, generator):
     def leaf(*shape):
         return torch.randn(*shape, generator=generator).to(device, dtype).requires_grad_()
@@ -168,8 +143,8 @@ def local_inputs(args, tokens, device, dtype, generator):
     return q, k, v, branch_k, branch_v
 
 
-def time_step(args, fn, inputs, device):
-    """(median seconds of forward+backward, peak bytes or None)."""
+def time_step(args, fn, inputs, device, group=None):
+    """(median seconds of forward+backward of fn(*inputs), peak bytes or None); see median_time."""
     grad = torch.randn_like(inputs[0])
 
     def step():
@@ -178,19 +153,7 @@ def time_step(args, fn, inputs, device):
         out, _ = fn(*inputs)
         out.backward(grad)
 
-    for _ in range(args.warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(args.iters):
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return statistics.median(times), peak
+    return median_time(step, args.warmup, args.iters, device, group)
 
 
 def dense_local_attention(q, k_all, v_all, branch_k, branch_v, visible):
@@ -275,14 +238,10 @@ def gloo_worker(args):
     inputs = local_inputs(args, args.total // cp, torch.device("cpu"), torch.float32,
                           torch.Generator().manual_seed(args.seed + rank))
     for mode in MODES:
-        dist.barrier()
         seconds, _ = time_step(args, lambda *x: cp_branch_attention(*x, cu_seqlens=cu, cp_mesh=mesh, mode=mode),
-                               inputs, torch.device("cpu"))
-        slowest = torch.tensor(seconds)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                               inputs, torch.device("cpu"), group=mesh.get_group())
         if rank == 0:
-            print("RESULT " + json.dumps(dict(cp=cp, mode=mode, documents=len(lengths), seconds=float(slowest))),
-                  flush=True)
+            print("RESULT " + json.dumps(dict(cp=cp, mode=mode, documents=len(lengths), seconds=seconds)), flush=True)
     dist.destroy_process_group()
 
 
@@ -317,10 +276,7 @@ def main():
     else:
         result = {"load_balance": load_balance(args)}
     result["args"] = vars(args)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

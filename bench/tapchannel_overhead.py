@@ -1,7 +1,11 @@
 """Cost of the TapChannel: pipeline co-training steps with it, against a twin without transport.
 
     .venv/bin/python bench/tapchannel_overhead.py --nproc 2                 # CPU, gloo (spawns itself)
-    torchrun --nproc_per_node 4 bench/tapchannel_overhead.py --dim 2048 --layers 16 --seq 4096
+    .venv/bin/python bench/tapchannel_overhead.py --nproc 2 --schedule Interleaved1F1B
+    # GPUs, NCCL, one GPU per rank (LOCAL_RANK), bf16; PP = 2 or 4; Interleaved1F1B needs layers >= 2 * PP:
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 4 bench/tapchannel_overhead.py \
+        --schedule Interleaved1F1B --dim 2048 --layers 16 --heads 16 --vocab 32768 --seq 4096 \
+        --out outputs/bench_tapchannel_overhead_pp4_interleaved.json
 
 "channel": build_pipeline_cotrain as training uses it. "twin": the same model, batch and schedule,
 built the same way, whose producer stages compute the same tap features but drop them, and whose
@@ -23,9 +27,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import build_policy_from_args, environment, policy_model_args, synchronize  # noqa: E402
 from titan_draft import _compat  # noqa: E402
 from titan_draft.models.draft import EagleDraft, draft_args_for  # noqa: E402
-from titan_draft.models.policy import install_packed_attention, model_args  # noqa: E402
 from titan_draft.parallel.pipeline import IGNORE, CoTrainSpec, build_pipeline_cotrain  # noqa: E402
 
 
@@ -44,26 +49,22 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8, help="measured steps of each kind")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="policy and draft dtype (default bfloat16 on GPU: flash kernels; float32 on CPU)")
     p.add_argument("--out", default="outputs/bench_tapchannel_overhead.json")
     return p
 
 
 def build_models(args, seed: int = 0):
-    from torchtitan.models.llama3 import Transformer
-
-    margs = model_args("llama3", "tiny", args.seq)
-    margs.dim, margs.n_layers, margs.n_heads, margs.n_kv_heads, margs.vocab_size = (
-        args.dim, args.layers, args.heads, args.heads, args.vocab)
-    torch.manual_seed(seed)
+    margs = policy_model_args("llama3", "tiny", args.seq, dim=args.dim, layers=args.layers, heads=args.heads,
+                              kv_heads=args.heads, vocab=args.vocab)
+    dtype = getattr(torch, args.dtype or ("float32" if _compat.ON_CPU else "bfloat16"))
+    policy = build_policy_from_args(margs, seed).to(dtype)
+    taps = args.tap_layers or sorted({1, args.layers // 2 - 1, args.layers - 1})
     with torch.device(_compat.device()):
-        policy = Transformer(margs)
-        with torch.no_grad():
-            policy.init_weights()
-        install_packed_attention(policy)
-        taps = args.tap_layers or sorted({1, args.layers // 2 - 1, args.layers - 1})
         draft = EagleDraft(draft_args_for(margs, n_taps=len(taps)))
         draft.init_weights()
-    return policy, draft, CoTrainSpec(tap_layers=taps, ttt_steps=args.ttt_steps)
+    return policy, draft.to(dtype), CoTrainSpec(tap_layers=taps, ttt_steps=args.ttt_steps)
 
 
 def random_batch(args, rows: int, seed: int = 1):
@@ -136,10 +137,10 @@ def timed_step(run, tokens, labels):
     for stage in run.stages:
         stage.submod.zero_grad(set_to_none=True)  # the policy part, and the draft on the last stage
     dist.barrier()
+    synchronize(_compat.device())
     start = time.perf_counter()
     run.step(tokens, labels)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    synchronize(_compat.device())
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=_compat.device())
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
@@ -175,8 +176,9 @@ def main(args):
         if args.out:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             with open(args.out, "w") as f:
-                json.dump(dict(args=vars(args), backend=dist.get_backend(), world_size=dist.get_world_size(),
-                               times_s=times, median_s=med, overhead_ratio=ratio), f, indent=1)
+                json.dump(dict(args=vars(args), **environment(), backend=dist.get_backend(),
+                               world_size=dist.get_world_size(), times_s=times, median_s=med,
+                               overhead_ratio=ratio), f, indent=1)
 
 
 def _spawned(rank, world_size, port, args, entry):
