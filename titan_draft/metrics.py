@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -34,8 +35,11 @@ class MetricsLogger:
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(f"{phase}/{key}", value, step)
         if echo:
+            from tqdm import tqdm
+
             shown = "  ".join(f"{k} {_short(v)}" for k, v in values.items())
-            print(f"[{phase} {step:>4}] {shown}", flush=True)
+            tqdm.write(f"[{phase} {step:>4}] {shown}")  # above any progress bar, not through it
+            sys.stdout.flush()
 
     def close(self) -> None:
         if self.enabled:
@@ -47,8 +51,6 @@ class MetricsLogger:
 def progress(iterable, desc: str, enabled: bool = True):
     """A progress bar for long loops (tqdm), silent on non-zero ranks. Redrawn every second on a
     terminal; every 10 s when the output is a pipe or a log file (torchrun --tee), so logs stay short."""
-    import sys
-
     from tqdm import tqdm
 
     interval = 1.0 if sys.stderr.isatty() else 10.0

@@ -35,8 +35,7 @@ def sft_policy(policy, task: SortTask, steps: int, lr: float, batch_size: int, s
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-        if step % log_every == 0 or step == steps:
-            metrics.log("sft", step, {"loss": loss.item()}, echo=False)
+        metrics.log("sft", step, {"loss": loss.item()}, echo=step % log_every == 0 or step == steps)
 
 
 def draft_vocab_from_data(task: SortTask, draft: EagleDraft, generator: torch.Generator, swap_prob: float,
@@ -63,6 +62,5 @@ def warmup_draft(policy, draft: EagleDraft, task: SortTask, tap_layers: list[int
         loss.backward()
         optimizer.step(loss)
         bar.set_postfix(loss=f"{stats['draft_loss']:.3f}", acc1=f"{stats['draft_acc_pass1']:.3f}", refresh=False)
-        if step % log_every == 0 or step == steps:
-            metrics.log("draft_warmup", step, stats, echo=False)
+        metrics.log("draft_warmup", step, stats, echo=step % log_every == 0 or step == steps)
     return optimizer
