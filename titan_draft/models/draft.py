@@ -11,12 +11,13 @@ At inference the same layer runs with a KV cache: the trunk is the cache of acce
 the branch is the chain of drafted tokens at the last anchor.
 
 Module names follow the EAGLE-3 checkpoint layout read by SGLang and vLLM (fc, midlayer.*, norm,
-lm_head, d2t, t2d), so exporting is a rename-free copy.
+lm_head, d2t, t2d); export only permutes q/k rows to their RoPE convention (export_draft.py).
 """
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -105,6 +106,9 @@ class EagleDraft(nn.Module):
         self.register_buffer("d2t", torch.zeros(args.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(args.target_vocab_size, dtype=torch.bool))
         self.register_buffer("freqs_cis", self._freqs(), persistent=False)
+        # Set by tensor parallelism when lm_head is split over the vocabulary (parallelize_draft):
+        # logits() then returns this rank's contiguous slice of the draft vocabulary.
+        self.vocab_parallel_group: dist.ProcessGroup | None = None
 
     def _freqs(self):
         no_scaling = RoPEScalingArgs(scaling_factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0)
@@ -217,13 +221,56 @@ def ttt_loss(draft: EagleDraft, states: list[torch.Tensor], teacher_logits: torc
         teacher = shift(teacher_logits, d)
         logits = draft.logits(hidden).to(dtype)
         target = F.softmax(teacher[:, target_ids].to(dtype), dim=-1)
-        ce = -(target * F.log_softmax(logits, dim=-1)).sum(-1)
+        ce, best = soft_cross_entropy(logits, target, draft.vocab_parallel_group)
         n = valid.sum()
         total = total + pass_decay ** (d - 1) * (ce * valid).sum()
         count = count + n
-        agree = (target_ids[logits.argmax(-1)] == teacher.argmax(-1)) & valid
+        agree = (target_ids[best] == teacher.argmax(-1)) & valid
         stats.append((agree.sum().detach(), n.detach(), (ce * valid).sum().detach()))
     return total, count, stats
+
+
+def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_group: dist.ProcessGroup | None = None):
+    """Per row: -sum(target * log_softmax(logits)) and the argmax of logits (a draft id).
+
+    target [T, V] sums to 1 over the vocabulary. With vocab_group, logits are this rank's
+    contiguous slice of the vocabulary (a vocab-parallel lm_head) and target is the full
+    distribution: no rank ever holds all the logits.
+    """
+    if vocab_group is None:
+        return -(target * F.log_softmax(logits, dim=-1)).sum(-1), logits.argmax(-1)
+    rank, width = dist.get_rank(vocab_group), logits.shape[-1]
+    local_target = target[:, rank * width:(rank + 1) * width]
+    ce = _VocabParallelSoftCrossEntropy.apply(logits, local_target, vocab_group)
+    with torch.no_grad():  # the global argmax: the lowest id among the ranks' maxima that tie the max
+        local_max, local_arg = logits.max(-1)
+        global_max = local_max.clone()
+        dist.all_reduce(global_max, dist.ReduceOp.MAX, group=vocab_group)
+        candidate = torch.where(local_max == global_max, local_arg + rank * width, target.shape[-1])
+        dist.all_reduce(candidate, dist.ReduceOp.MIN, group=vocab_group)
+    return ce, candidate
+
+
+class _VocabParallelSoftCrossEntropy(torch.autograd.Function):
+    """Soft cross-entropy over a vocabulary split across `group`: ce = lse - <target, logits>,
+    with the max, sum of exponentials and dot product all-reduced. Every rank ends with the same
+    (replicated) loss and backpropagates it itself, so the backward needs no communication:
+    d ce / d logits = softmax - target, on the local slice."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        row_max = logits.max(-1).values
+        dist.all_reduce(row_max, dist.ReduceOp.MAX, group=group)
+        exp = (logits - row_max[:, None]).exp()
+        sums = torch.stack([exp.sum(-1), (target * logits).sum(-1)])
+        dist.all_reduce(sums, group=group)
+        ctx.save_for_backward(exp / sums[0][:, None], target)
+        return row_max + sums[0].log() - sums[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, target = ctx.saved_tensors
+        return grad[:, None] * (softmax - target), None, None
 
 
 def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
