@@ -25,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MIXES, document_lengths, median_time, write_json  # noqa: E402
+from _common import MIXES, document_lengths, environment, median_time, write_json  # noqa: E402
 from titan_draft.ops import branch_attention  # noqa: E402
 from titan_draft.packing import cu_seqlens_from_lengths  # noqa: E402
 from titan_draft.parallel import ZigzagLayout, cp_branch_attention  # noqa: E402
@@ -275,7 +275,7 @@ def main():
         result = {"gloo": gloo_wall_times(args)}
     else:
         result = {"load_balance": load_balance(args)}
-    result["args"] = vars(args)
+    result.update(args=vars(args), **environment())
     write_json(args.out, result)
 
 
