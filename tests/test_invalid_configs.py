@@ -21,6 +21,9 @@ CASES = [  # (world size, overrides, exact message)
      "use a degree that divides it"),
     (2, ["--parallelism.tensor_parallel_degree", "2", "--draft.n_heads", "2", "--draft.n_kv_heads", "1"],
      "parallelism.tensor_parallel_degree: 2 does not divide the 1 draft.n_kv_heads; use a degree that divides it"),
+    (2, ["--parallelism.tensor_parallel_degree", "2", "--draft.vocab_size", "15"],
+     "parallelism.tensor_parallel_degree: 2 does not divide the 15 draft.vocab_size (the draft's lm_head is split "
+     "over it); use a degree that divides it"),
     (2, ["--model.name", "qwen3", "--parallelism.tensor_parallel_degree", "2"],
      "model.name: tensor parallelism is wired for llama3 only, not 'qwen3'; "
      "set parallelism.tensor_parallel_degree = 1"),

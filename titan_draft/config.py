@@ -183,6 +183,7 @@ def _validate_composition(cfg, world_size: int, need) -> None:
         heads = {"policy heads (model.flavor)": args.n_heads, "policy kv heads (model.flavor)": args.n_kv_heads or
                  args.n_heads, "draft.n_heads": cfg.draft.n_heads or args.n_heads,
                  "draft.n_kv_heads": cfg.draft.n_kv_heads or cfg.draft.n_heads or args.n_kv_heads or args.n_heads}
+        heads["draft.vocab_size (the draft's lm_head is split over it)"] = cfg.draft.vocab_size or args.vocab_size
         for key, count in heads.items():
             need(count % tp == 0, f"parallelism.tensor_parallel_degree: {tp} does not divide the {count} {key}; "
                  f"use a degree that divides it")

@@ -6,9 +6,10 @@
   Colwise/RowwiseParallel on the same projections as torchtitan's llama3 plan), norms replicated.
   Unlike torchtitan's plan there is no sequence parallelism: every decoder layer's output stays
   whole on every tp rank, because the draft reads the outputs of the tap layers (TapRecorder) and
-  the full logits (GRPO and the TTT teacher). The embeddings are row-parallel, the LM heads replicate
-  their output. The draft's lm_head stays replicated: torch's loss_parallel implements only
-  class-index targets, and the TTT loss has soft ones.
+  the full logits (GRPO and the TTT teacher). The embeddings are row-parallel, the policy's LM head
+  replicates its output. The draft's lm_head is vocab-parallel: its soft cross-entropy
+  (models/draft.py soft_cross_entropy) reduces over tp instead of gathering the logits (torch's
+  loss_parallel implements only class-index targets).
 - Context parallel (cp): the RL step shards each packed batch with titan_draft.parallel's
   apply_context_parallel (train.py); warm starts run whole batches on every rank.
 - FSDP2: torchtitan's apply_fsdp for the policy, fully_shard for the draft, over dp_shard x cp
@@ -179,20 +180,22 @@ DRAFT_TP_PLAN = {
     "midlayer.mlp.gate_proj": ColwiseParallel(),
     "midlayer.mlp.up_proj": ColwiseParallel(),
     "midlayer.mlp.down_proj": RowwiseParallel(),
+    "lm_head": ColwiseParallel(),  # vocab-parallel: each rank's logits are its slice of the draft vocabulary
 }
 
 
 def parallelize_draft(draft: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
-    """TP on the draft's decoder layer (its TTT attention runs on the local heads), fc / norms /
-    lm_head replicated over tp; then FSDP2 over the data-parallel mesh, in place."""
+    """TP on the draft's decoder layer (its TTT attention runs on the local heads) and a
+    vocab-parallel lm_head, fc / norms replicated over tp; then FSDP2 over the data-parallel mesh,
+    in place."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if dims.tp_enabled:
         tp_mesh = dims.get_mesh("tp")
         parallelize_module(draft, tp_mesh, DRAFT_TP_PLAN)
-        for module in (draft.fc, draft.lm_head):
-            _replicate_over(module, tp_mesh)
+        _replicate_over(draft.fc, tp_mesh)
         _replicate_norms(draft, tp_mesh)
+        draft.vocab_parallel_group = tp_mesh.get_group()  # ttt_loss's soft cross-entropy reduces over it
     if dims.fsdp_enabled or dims.dp_replicate_enabled:
         mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],
                                   reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce])
