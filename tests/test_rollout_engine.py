@@ -145,17 +145,18 @@ def test_perfect_draft_accepts_everything():
     prompts = torch.randint(4, VOCAB, (2, 5), generator=gen)
     K, N = 3, 17
     plain = engine.generate(prompts, N, num_speculative_tokens=0, temperature=0, eos_id=NEVER)
-    target = plain.tokens
+    target = plain.tokens.to(DEVICE)  # before any capture: a CUDA graph cannot copy from the host
 
     def oracle(hidden, anchor, K, temperature, top_p, generator):
         # t_k must be the token at position anchor + 1 + k of the greedy sequence.
         pos = (anchor[:, None] + 2 + torch.arange(K, device=DEVICE)).clamp(max=target.shape[1] - 1)
-        tokens = target.to(DEVICE)[torch.arange(len(anchor), device=DEVICE)[:, None], pos]
-        return tokens, torch.nn.functional.one_hot(tokens, VOCAB).double()
+        tokens = target[torch.arange(len(anchor), device=DEVICE)[:, None], pos]
+        probs = torch.zeros(*tokens.shape, VOCAB, dtype=torch.float64, device=DEVICE)
+        return tokens, probs.scatter_(-1, tokens[..., None], 1.0)
 
     engine._propose = oracle
     out = engine.generate(prompts, N, num_speculative_tokens=K, temperature=0, eos_id=NEVER)
-    assert torch.equal(out.tokens, target)
+    assert torch.equal(out.tokens, plain.tokens)
     assert out.num_decode_steps == (N - 1 + K) // (K + 1)
     assert torch.equal(out.per_position_acceptance[:2], torch.ones(2))
 
@@ -214,6 +215,27 @@ def test_sampled_speculative_generation_is_lossless():
     df = len(obs) - 1
     assert stat < 3.3 * df + 11, (stat, df)
     assert out.acceptance_length > 1.0  # the draft was used
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs")
+@pytest.mark.parametrize("K, temperature", [(0, 1.0), (3, 0.0), (3, 1.0)])
+def test_cuda_graph_steps_equal_eager_steps(K, temperature):
+    """Decode steps replayed from CUDA graphs give the tokens and statistics of the same steps run
+    eagerly (same seed: the graphs draw the same random numbers), over several calls."""
+    policy, draft, graphed = make()
+    eager = RolloutEngine(model_args("llama3", "tiny_gqa", MAX_LEN), draft.args, TAPS, 4, MAX_LEN, DEVICE,
+                          torch.float64, cuda_graphs=False)
+    eager.load_weights(policy, draft)
+    assert graphed.cuda_graphs and not eager.cuda_graphs
+    gen = torch.Generator().manual_seed(8)
+    for call in range(3):
+        prompts = torch.randint(4, VOCAB, (3, 5), generator=gen)
+        a, b = (e.generate(prompts, 20, num_speculative_tokens=K, temperature=temperature, eos_id=NEVER,
+                           generator=torch.Generator().manual_seed(call)) for e in (graphed, eager))
+        assert torch.equal(a.tokens, b.tokens), call
+        assert (a.num_verify_forwards, a.emitted_tokens, a.num_decode_steps) == \
+            (b.num_verify_forwards, b.emitted_tokens, b.num_decode_steps)
+    assert graphed._steps[(3, K, temperature, 1.0)].graph is not None  # the steps were replayed
 
 
 def test_bad_inputs():

@@ -20,6 +20,9 @@ TINY_FLAVORS = {
     "tiny": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=32, multiple_of=32),
     "tiny_gqa": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=32, multiple_of=16),
     "small": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=32, multiple_of=64),
+    # The GPU rollout bench's policy: 16 layers (~180M parameters), deep enough that one
+    # draft layer per proposed token costs a small fraction of a verify forward.
+    "medium": dict(dim=1024, n_layers=16, n_heads=16, n_kv_heads=4, vocab_size=32, multiple_of=256),
 }
 
 
@@ -49,8 +52,9 @@ def model_args(name: str, flavor: str, max_seq_len: int):
     return args
 
 
-def build_policy(name: str, flavor: str, max_seq_len: int, seed: int | None = None) -> nn.Module:
-    """A freshly initialised policy on the current device, with packed attention installed."""
+def build_policy(name: str, flavor: str, max_seq_len: int, seed: int | None = None, device=None) -> nn.Module:
+    """A freshly initialised policy on `device` (default: the current one), with packed attention installed
+    (on "meta": the structure only, for splitting into pipeline stages)."""
     if name == "llama3":
         from torchtitan.models.llama3 import Transformer as Model
     else:
@@ -58,7 +62,7 @@ def build_policy(name: str, flavor: str, max_seq_len: int, seed: int | None = No
     args = model_args(name, flavor, max_seq_len)
     if seed is not None:
         torch.manual_seed(seed)
-    with torch.device(_compat.device()):
+    with torch.device(device or _compat.device()):
         model = Model(args)
     with torch.no_grad():
         model.init_weights()

@@ -14,6 +14,12 @@ Bookkeeping, per row b of the batch (all rows start from prompts of one length P
   feeds e(t_{k-1}) and pass k-1's hidden at RoPE position a + k - 1 and attends the trunk (anchors
   <= a) plus the branch keys of passes 2..k, which live in K extra slots after the trunk slots.
 - Prefill runs the whole prompt and samples the first response token; it is not a verify step.
+
+Speed: one decode step (draft K tokens, verify, accept, roll back, extend the draft's trunk) is a
+single function of static-shape tensors that live in engine buffers, with no host
+synchronisation inside. On CUDA it is captured once per (batch size, K, temperature, top-p) into
+a CUDA graph and replayed (`CapturedCall`); elsewhere it runs eagerly. Both run the same code.
+The loop reads one flag per step ("all rows finished").
 """
 import time
 from contextlib import contextmanager
@@ -48,7 +54,7 @@ class RolloutResult:
     num_decode_steps: int
     """Batched decode forwards (one per loop iteration)."""
     timing: dict = field(default_factory=dict)
-    """Seconds in draft_s, verify_s, other_s (prefill, sampling, bookkeeping)."""
+    """Seconds in prefill_s (prompt forward, first token, draft trunk) and decode_s (the steps)."""
     tokens_per_s: float = 0.0
     """Generated tokens (all rows) per second of wall time of generate()."""
 
@@ -113,12 +119,42 @@ def _attend(q, k_cache, v_cache, mask, scale=None):
     return out.transpose(1, 2)
 
 
+class CapturedCall:
+    """fn() (no arguments, no outputs: it works on tensors it holds) as a CUDA graph.
+
+    The first call runs fn eagerly on a side stream, as a real call, so that lazy initialisation
+    (cuBLAS handles, allocator growth) happens outside capture; then fn is captured. Every later
+    call replays the graph. Random numbers come from `generator`, registered with the graph so
+    that every replay draws fresh ones. Tensors fn allocates live in `pool` and must not outlive
+    the call (graphs sharing a pool may then replay in any order).
+    """
+
+    def __init__(self, fn, generator: torch.Generator, pool):
+        self.fn, self.generator, self.pool, self.graph = fn, generator, pool, None
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(self.generator)
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.fn()
+        self.graph = graph
+
+
 class RolloutEngine:
     def __init__(self, policy_args, draft_args: DraftArgs | None, tap_layers, max_batch_size: int,
                  max_seq_len: int, device, dtype=torch.bfloat16, *, max_speculative_tokens: int = 8,
-                 compile: bool = False):
+                 compile: bool = False, cuda_graphs: bool = True):
         """Inference copies of the policy (and draft), and static caches for max_batch_size rows of
-        up to max_seq_len tokens (prompt + response), with up to max_speculative_tokens drafts."""
+        up to max_seq_len tokens (prompt + response), with up to max_speculative_tokens drafts.
+        cuda_graphs: replay decode steps as CUDA graphs (on CUDA devices; ignored elsewhere)."""
         model_cls, self._rope, rope_name = _policy_family(policy_args)
         self.tap_layers = sorted(tap_layers)
         if draft_args is not None and len(self.tap_layers) != draft_args.n_taps:
@@ -149,6 +185,24 @@ class RolloutEngine:
             self.draft_k = torch.zeros(draft_shape, device=self.device, dtype=dtype)
             self.draft_v = torch.zeros(draft_shape, device=self.device, dtype=dtype)
 
+        # Decode-step state, static so that captured steps always find it at the same addresses.
+        # Token columns: a verify window may start at max_seq_len - 1 and write K + 1 tokens.
+        self._tokens = torch.zeros(max_batch_size, max_seq_len + self.max_k + 1, dtype=torch.long, device=self.device)
+        self._lengths = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
+        self._limit = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # prompt + max_new_tokens
+        self._done = torch.zeros(max_batch_size, dtype=torch.bool, device=self.device)
+        self._eos = torch.zeros((), dtype=torch.long, device=self.device)
+        self._verify_rows = torch.zeros((), dtype=torch.long, device=self.device)
+        self._emitted = torch.zeros((), dtype=torch.long, device=self.device)
+        self._accepted_at_least = torch.zeros(self.max_k, dtype=torch.long, device=self.device)
+        if self.draft is not None:
+            self._hidden = torch.zeros(max_batch_size, draft_args.dim, dtype=dtype, device=self.device)
+        # Every random draw of generate() comes from this generator, seeded from the caller's.
+        self._rng = torch.Generator(self.device)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self._steps: dict[tuple, object] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+
         self._policy_step, self._draft_extend, self._draft_pass = (
             self.policy_forward, self.draft_extend, self.draft_pass)
         if compile:
@@ -167,7 +221,10 @@ class RolloutEngine:
                 raise ValueError("load_weights: a draft was given but the engine was built without "
                                  "draft_args; build it with the draft's args")
             _copy_weights(draft, self.draft, "draft")
-            self._target_ids = self.draft.target_ids()
+            if self._target_ids is None:
+                self._target_ids = self.draft.target_ids()
+            else:  # in place: captured steps read it
+                self._target_ids.copy_(self.draft.target_ids())
 
     # --- the policy ----------------------------------------------------------------------------------
     def policy_forward(self, tokens: torch.Tensor, positions: torch.Tensor):
@@ -291,6 +348,50 @@ class RolloutEngine:
             raise ValueError("load_weights(policy, draft) must run before speculative generation")
         check_sampling_args(temperature, top_p)
 
+    def captured(self, fn):
+        """fn (no arguments, no outputs) as a CapturedCall on CUDA with cuda_graphs, else fn itself."""
+        return CapturedCall(fn, self._rng, self._graph_pool) if self.cuda_graphs else fn
+
+    def _decode_step(self, B: int, K: int, temperature: float, top_p: float) -> None:
+        """One decode step of rows 0..B-1, in place on the engine's state buffers; no host sync.
+
+        Draft K tokens (K = 0: none), verify [x_n, t_1..t_K] at positions n..n+K, accept, emit up
+        to the first eos and within the row's budget (finished rows emit nothing), then put the
+        trunk keys of the anchors whose next token became known into the draft's cache.
+        """
+        tokens, lengths, done = self._tokens[:B], self._lengths[:B], self._done[:B]
+        dev = tokens.device
+        rows = torch.arange(B, device=dev)
+        window = torch.arange(K + 1, device=dev)
+        n = lengths - 1  # position of the last known token, the first one verified
+        verify_in = tokens[rows, n][:, None]
+        if K:
+            draft_tokens, draft_probs = self._propose(self._hidden[:B], n - 1, K, temperature, top_p, self._rng)
+            verify_in = torch.cat([verify_in, draft_tokens], dim=1)
+        logits, taps, _ = self._policy_step(verify_in, n[:, None] + window)
+        target_probs = probs_from_logits(logits, temperature, top_p)
+        if K:
+            num_accepted, out = speculative_accept(draft_tokens, draft_probs, target_probs, self._rng)
+        else:
+            num_accepted, out = torch.zeros_like(lengths), sample(target_probs, self._rng)
+        emit = num_accepted + 1
+        is_eos = (out == self._eos) & (window < emit[:, None])
+        emit = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, emit)
+        emit = torch.minimum(emit, self._limit[:B] - lengths).masked_fill(done, 0)
+        # Write the emitted tokens; the other window slots get their old values back.
+        columns = lengths[:, None] + window
+        tokens.scatter_(1, columns, torch.where(window < emit[:, None], out, tokens.gather(1, columns)))
+        running = ~done
+        self._verify_rows += running.sum()
+        self._emitted += emit.sum()
+        if K:
+            self._accepted_at_least[:K] += ((num_accepted[:, None] > window[:K]) & running[:, None]).sum(0)
+        done |= is_eos.any(1) | (lengths + emit >= self._limit[:B])
+        lengths += emit
+        if K:  # finished rows extend too (harmlessly, past their end): no data-dependent branch
+            next_emb = self.policy.tok_embeddings(out.clamp(min=0))
+            self._hidden[:B] = self._draft_extend(next_emb, taps, n, emit.clamp(min=1))
+
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor, max_new_tokens: int, *, num_speculative_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, eos_id: int,
@@ -298,72 +399,54 @@ class RolloutEngine:
         """Sample up to max_new_tokens per row after prompts [B, P]; rows stop at eos_id.
 
         num_speculative_tokens K = 0 runs the same loop without a draft: the baseline.
+        generator (any device, or None for torch's default) seeds the engine's own generator.
         """
         K = num_speculative_tokens
         self._check(prompts, max_new_tokens, K, temperature, top_p)
-        timing = dict(draft_s=0.0, verify_s=0.0, other_s=0.0)
+        timing = dict(prefill_s=0.0, decode_s=0.0)
         wall = time.perf_counter()
         B, P = prompts.shape
         total = P + max_new_tokens
         dev = self.device
-        rows = torch.arange(B, device=dev)
-        window = torch.arange(K + 1, device=dev)
+        seed_device = generator.device if generator is not None else "cpu"
+        self._rng.manual_seed(int(torch.randint(2**62, (), generator=generator, device=seed_device)))
 
-        with self._clock(timing, "other_s"):
-            tokens = torch.full((B, total), eos_id, dtype=torch.long, device=dev)
+        with self._clock(timing, "prefill_s"):
+            tokens, lengths, done = self._tokens[:B], self._lengths[:B], self._done[:B]
+            tokens.fill_(eos_id)
             tokens[:, :P] = prompts.to(dev)
             logits, taps, _ = self._policy_step(tokens[:, :P], torch.arange(P, device=dev).expand(B, P))
-            tokens[:, P] = sample(probs_from_logits(logits[:, -1], temperature, top_p), generator)
-            lengths = torch.full((B,), P + 1, device=dev)
-            done = (tokens[:, P] == eos_id) | (lengths >= total)
-        if K:
-            with self._clock(timing, "draft_s"):
-                next_emb = self.policy.tok_embeddings(tokens[:, 1:P + 1])
-                hidden = self._draft_extend(next_emb, taps, torch.zeros_like(lengths), torch.full_like(lengths, P))
-
-        verify_rows = emitted = steps = 0
-        accepted_at_least = torch.zeros(K, device=dev)
-        while not bool(done.all()):
-            n = lengths - 1  # position of the last known token, the first one verified
-            draft_tokens = draft_probs = None
+            tokens[:, P] = sample(probs_from_logits(logits[:, -1], temperature, top_p), self._rng)
+            lengths.fill_(P + 1)
+            self._limit[:B] = total
+            self._eos.fill_(eos_id)
+            done.copy_((tokens[:, P] == eos_id) | (lengths >= total))
+            for counter in (self._verify_rows, self._emitted, self._accepted_at_least):
+                counter.zero_()
             if K:
-                with self._clock(timing, "draft_s"):
-                    draft_tokens, draft_probs = self._propose(hidden, n - 1, K, temperature, top_p, generator)
-            with self._clock(timing, "verify_s"):
-                verify_in = tokens[rows, n][:, None]
-                if K:
-                    verify_in = torch.cat([verify_in, draft_tokens], dim=1)
-                logits, taps, _ = self._policy_step(verify_in, n[:, None] + window)
-            with self._clock(timing, "other_s"):
-                target_probs = probs_from_logits(logits, temperature, top_p)
-                if K:
-                    num_accepted, out = speculative_accept(draft_tokens, draft_probs, target_probs, generator)
-                else:
-                    num_accepted, out = torch.zeros_like(lengths), sample(target_probs, generator)
-                # Emit up to the first eos and within the row's budget; finished rows emit nothing.
-                emit = num_accepted + 1
-                is_eos = (out == eos_id) & (window < emit[:, None])
-                emit = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, emit)
-                emit = torch.minimum(emit, total - lengths).masked_fill(done, 0)
-                keep = window < emit[:, None]
-                tokens[rows[:, None].expand_as(keep)[keep], (lengths[:, None] + window)[keep]] = out[keep]
-                running = ~done
-                verify_rows += int(running.sum())
-                emitted += int(emit.sum())
-                accepted_at_least += ((num_accepted[:, None] > torch.arange(K, device=dev)) & running[:, None]).sum(0)
-                steps += 1
-                done = done | is_eos.any(1) | (lengths + emit >= total)
-                lengths = lengths + emit
-            if K and not bool(done.all()):
-                with self._clock(timing, "draft_s"):
-                    next_emb = self.policy.tok_embeddings(out.clamp(min=0))
-                    hidden = self._draft_extend(next_emb, taps, n, emit.clamp(min=1))
+                next_emb = self.policy.tok_embeddings(tokens[:, 1:P + 1])
+                self._hidden[:B] = self._draft_extend(next_emb, taps, torch.zeros_like(lengths),
+                                                      torch.full_like(lengths, P))
 
-        wall = time.perf_counter() - wall
+        key = (B, K, temperature, top_p)
+        if key not in self._steps:
+            self._steps[key] = self.captured(lambda: self._decode_step(B, K, temperature, top_p))
+        step, steps = self._steps[key], 0
+        start = time.perf_counter()
+        while not bool(done.all()):  # the loop's one host sync per step
+            step()
+            steps += 1
+        timing["decode_s"] = time.perf_counter() - start
+
+        verify_rows = max(int(self._verify_rows), 1)
         response_lengths = (lengths - P).cpu()
-        return RolloutResult(
-            tokens=tokens.cpu(), response_lengths=response_lengths, num_verify_forwards=verify_rows,
-            emitted_tokens=emitted, acceptance_length=emitted / max(verify_rows, 1),
-            per_position_acceptance=(accepted_at_least / max(verify_rows, 1)).cpu(), num_decode_steps=steps,
-            timing=timing, tokens_per_s=float(response_lengths.sum()) / wall,
+        result = RolloutResult(
+            tokens=tokens[:, :total].to("cpu", copy=True),  # a copy: the buffer is reused by the next call
+            response_lengths=response_lengths,
+            num_verify_forwards=int(self._verify_rows), emitted_tokens=int(self._emitted),
+            acceptance_length=int(self._emitted) / verify_rows,
+            per_position_acceptance=(self._accepted_at_least[:K].double() / verify_rows).float().cpu(),
+            num_decode_steps=steps, timing=timing,
         )
+        result.tokens_per_s = float(response_lengths.sum()) / (time.perf_counter() - wall)
+        return result

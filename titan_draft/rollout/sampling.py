@@ -35,9 +35,16 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token id per row of probs [..., V]."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    """One token id per row of probs [..., V] (unnormalised weights are fine).
+
+    Exponential race: argmax_v p_v / E_v with E_v ~ Exp(1) i.i.d. is v with probability
+    p_v / sum(p) (E_v / p_v ~ Exp(p_v); the smallest wins). Unlike torch.multinomial it never
+    synchronises with the host, so a CUDA graph can capture it.
+    """
+    dtype = torch.promote_types(probs.dtype, torch.float32)
+    race = torch.empty_like(probs, dtype=dtype).exponential_(generator=generator)
+    # exponential_ may round to 0: clamp so that 0 / 0 never yields a NaN that argmax would pick.
+    return (probs.to(dtype) / race.clamp_min(torch.finfo(dtype).tiny)).argmax(-1)
 
 
 def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
