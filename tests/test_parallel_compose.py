@@ -1,5 +1,7 @@
 """Composed parallelism on gloo: one co-training step (GRPO loss + draft TTT loss, their backward and
-clipping) on 4 ranks equals the same step in one process — losses and every parameter's gradient."""
+clipping) on 4 ranks equals the same step in one process — losses and every parameter's gradient.
+Pipeline layouts (PP x FSDP2, CP x PP) run the step through the pipeline schedule: each rank holds
+some stages' gradients (the draft's on the last stage), together they are every gradient."""
 import os
 import sys
 
@@ -63,14 +65,16 @@ def cotrain_step(argv, dims_from_world: bool, poison_draft: bool = False):
                            layers, device, torch.Generator(), torch.Generator(), dims)
     grads = {}
 
-    def capture(prefix, module):
+    def capture(prefix, *modules):
         def hook(_opt, _args, _kwargs):
-            for name, p in module.named_parameters():
-                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                grads[prefix + name] = g.detach().clone()
+            for module in modules:
+                for name, p in module.named_parameters():
+                    g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                    grads[prefix + name] = g.detach().clone()
         return hook
 
-    state.policy_opt.register_step_pre_hook(capture("policy.", policy))
+    policy_parts = state.pipeline.parts if state.pipeline is not None else [policy]  # a rank's stages under PP
+    state.policy_opt.register_step_pre_hook(capture("policy.", *policy_parts))
     state.draft_opt.optimizer.register_step_pre_hook(capture("draft.", draft))
     rollouts = fixed_rollouts(cfg, task)
     rank, degree = dp_rank_and_degree(dims)
@@ -86,13 +90,20 @@ def _worker(rank, world_size, argv):
 
 def assert_same_step(single, distributed):
     (m1, g1), (m2, g2) = single, distributed
-    for key in ("policy_loss", "draft_loss", "draft_acc_pass1", "draft_acc_pass3", "entropy", "reward_mean"):
-        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
     assert g1.keys() == g2.keys()
-    for name in g1:
-        torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_values(single, distributed)
     assert any(g.abs().sum() > 0 for name, g in g1.items() if name.startswith("draft.midlayer"))
     assert any(g.abs().sum() > 0 for name, g in g1.items() if name.startswith("policy.layers"))
+
+
+def assert_same_values(single, distributed):
+    """The metrics, and every gradient the distributed rank holds, equal the single process's."""
+    (m1, g1), (m2, g2) = single, distributed
+    for key in ("policy_loss", "draft_loss", "draft_acc_pass1", "draft_acc_pass3", "entropy", "kl_to_start",
+                "clip_frac", "reward_mean"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
+    for name in g2:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +152,20 @@ def test_train_timeout_from_config_fires_and_names_the_rank():
     where, waited, _ = run_distributed(_timeout_worker, 2, argv, timeout=100)[0]
     assert where == "rank 0 (fsdp 0/2)"
     assert 2.5 < waited < 11  # the configured 3 s, not the 300 s init timeout
+
+
+PIPELINE_LAYOUTS = {  # 4 ranks each; the 1F1B schedule, one row per microbatch
+    "pp_x_fsdp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+    "cp_x_pp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"],
+}
+
+
+@pytest.mark.parametrize("layout", PIPELINE_LAYOUTS)
+def test_pipeline_layout_equals_single_process(single_process_step, layout):
+    results = run_distributed(_worker, 4, TINY + PIPELINE_LAYOUTS[layout], timeout=150)
+    union = {}
+    for result in results:
+        assert_same_values(single_process_step, result)
+        union.update(result[1])
+    assert union.keys() == single_process_step[1].keys()  # every gradient is on some rank
+    assert all(not any(k.startswith("draft.") for k in grads) for _, grads in results[:2])  # pp rank 0: no draft

@@ -1,6 +1,7 @@
 """Checkpoints of the whole job through torchtitan's CheckpointManager (DCP), and resuming by phase.
 
-What a checkpoint holds: the policy (torchtitan's "model"), the draft, the RL reference policy,
+What a checkpoint holds: the policy (torchtitan's "model": the whole policy, or in RL under pipeline
+parallelism every rank's stage parts, which DCP joins by FQN), the draft, the RL reference policy,
 both optimizers (the draft's once warmed up, the policy's RL AdamW once RL runs), the RNG states
 (torch, the data and rollout generators; per rank) and the TrainState (finished phase, RL step).
 Folders are torchtitan's `<dump_folder>/<checkpoint.folder>/step-N` with N = progress: 1 after
@@ -110,6 +111,15 @@ class JobCheckpoint:
 
     def track(self, **states: Stateful) -> None:
         self.states.update(states)
+
+    def track_rl(self, states: dict[str, Stateful], draft_trains_here: bool = True) -> None:
+        """RL's states (RLState.checkpoint_states). Under pipeline parallelism "model" becomes this
+        rank's stage parts, and the draft and its optimizer are kept only on the last stage, where
+        they train: the other ranks' copies are stale and must never be what a checkpoint holds."""
+        self.states.update(states)
+        if not draft_trains_here:
+            for name in ("draft", "draft_optimizer"):
+                self.states.pop(name, None)
 
     def resume_phase(self) -> int:
         """The phase of the latest complete checkpoint (NOT_STARTED if none); reads only its TrainState."""

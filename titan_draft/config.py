@@ -165,8 +165,6 @@ def _validate_composition(cfg, world_size: int, need) -> None:
     from titan_draft.models.policy import model_args
 
     p, ck, comm = cfg.parallelism, cfg.checkpoint, cfg.comm
-    need(p.pipeline_parallel_degree == 1, f"parallelism.pipeline_parallel_degree: {p.pipeline_parallel_degree} is "
-         "not supported by titan_draft.train yet; set it to 1")
     need(p.expert_parallel_degree == 1, f"parallelism.expert_parallel_degree: {p.expert_parallel_degree} is not "
          "supported (dense policies only); set it to 1")
     other = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.context_parallel_degree * \
@@ -175,6 +173,8 @@ def _validate_composition(cfg, world_size: int, need) -> None:
                                              else p.data_parallel_shard_degree)
     need(cfg.rl.prompts_per_step % dp == 0, f"rl.prompts_per_step: {cfg.rl.prompts_per_step} does not divide "
          f"among the {dp} data-parallel ranks; use a multiple of {dp}")
+    if p.pipeline_parallel_degree > 1:
+        _validate_pipeline(cfg, dp, need)
     tp = p.tensor_parallel_degree
     if tp > 1:
         args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
@@ -198,3 +198,31 @@ def _validate_composition(cfg, world_size: int, need) -> None:
     need(comm.init_timeout_seconds > 0 and comm.train_timeout_seconds > 0,
          f"comm.init_timeout_seconds / train_timeout_seconds: {comm.init_timeout_seconds} / "
          f"{comm.train_timeout_seconds} must be > 0 seconds")
+
+
+def _validate_pipeline(cfg, dp: int, need) -> None:
+    """The RL step through pipeline stages (titan_draft/parallel/pipeline_rl.py)."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from titan_draft.models.policy import model_args
+    from titan_draft.parallel.pipeline import pipeline_num_stages
+
+    p = cfg.parallelism
+    pp, schedule, microbatch = p.pipeline_parallel_degree, p.pipeline_parallel_schedule, \
+        p.pipeline_parallel_microbatch_size
+    try:
+        get_schedule_class(schedule)
+    except ValueError:
+        need(False, f"parallelism.pipeline_parallel_schedule: '{schedule}' is unknown; use one of 1F1B, GPipe, "
+             "Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble")
+    need(p.tensor_parallel_degree == 1, f"parallelism.tensor_parallel_degree: {p.tensor_parallel_degree} with "
+         f"pipeline_parallel_degree {pp} is not supported (tensor parallelism inside pipeline stages); set one of "
+         "them to 1")
+    stages = pipeline_num_stages(pp, schedule)
+    layers = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len).n_layers
+    need(stages <= layers, f"parallelism.pipeline_parallel_schedule: '{schedule}' on {pp} pipeline ranks needs "
+         f"{stages} stages, more than the policy's {layers} layers; use 1F1B or GPipe, or a smaller degree")
+    rows = cfg.rl.prompts_per_step * cfg.rl.group_size // dp
+    need(microbatch >= 1 and rows % microbatch == 0, f"parallelism.pipeline_parallel_microbatch_size: {microbatch} "
+         f"does not divide the {rows} rollouts of a data-parallel rank (rl.prompts_per_step x rl.group_size / "
+         f"{dp}); use a divisor of {rows}")

@@ -36,10 +36,16 @@ def draft_loss(draft: EagleDraft, emb: torch.Tensor, taps: torch.Tensor, teacher
         dist.all_reduce(count, group=group)
         dist.all_reduce(per_pass, group=group)
     loss = total / count.clamp(min=1)
+    return loss, draft_metrics(per_pass)
+
+
+def draft_metrics(per_pass: torch.Tensor) -> dict[str, float]:
+    """draft_loss (unweighted mean cross-entropy over valid pairs) and draft_acc_pass{d} from the
+    per-pass sums [D, (agree, n, ce_sum)] of ttt_loss, summed over ranks (and microbatches)."""
     metrics = {"draft_loss": (per_pass[:, 2].sum() / per_pass[:, 1].sum().clamp(min=1)).item()}
     for d in range(per_pass.shape[0]):
         metrics[f"draft_acc_pass{d + 1}"] = (per_pass[d, 0] / per_pass[d, 1].clamp(min=1)).item()
-    return loss, metrics
+    return metrics
 
 
 class DraftOptimizer:

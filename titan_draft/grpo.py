@@ -19,8 +19,12 @@ def rollout_batch(prompts: torch.Tensor, tokens: torch.Tensor, response_lengths:
 
 def token_logprobs(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """log p(x_{t+1} | x_<=t) for every row t [T] (meaningful where loss_mask is set)."""
-    targets = batch.tokens.roll(-1)
-    return -F.cross_entropy(logits.float(), targets, reduction="none")
+    return next_token_logprobs(logits, batch.tokens.roll(-1))
+
+
+def next_token_logprobs(logits: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """log p(next_tokens[t]) under logits [T, V] for every row t [T], in float32."""
+    return -F.cross_entropy(logits.float(), next_tokens, reduction="none")
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -47,3 +51,22 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     loss = (per_token * mask).sum() / n
     clipped = ((ratio - 1).abs() > clip_eps).float()
     return loss, {"clip_frac": ((clipped * mask).sum() / mask.sum().clamp(min=1)).item()}
+
+
+def grpo_objective(logits: torch.Tensor, next_tokens: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                   ref_logprobs: torch.Tensor, clip_eps: float, kl_coef: float, num_tokens: torch.Tensor):
+    """The RL step's policy loss from one forward, and its metric sums over the masked rows.
+
+    On-policy: the old log-probabilities are the current ones, detached (one update per batch of
+    rollouts). Rows [T]: logits [T, V], the next token, the document's advantage, the mask of
+    response rows, the reference policy's log-probabilities. Returns (grpo_loss normalised by
+    num_tokens, detached float32 sums [loss, entropy, log p - log p_ref, clipped rows]). The
+    single-process step and every pipeline microbatch call this one function.
+    """
+    logprobs = next_token_logprobs(logits, next_tokens)
+    loss, stats = grpo_loss(logprobs, logprobs.detach(), advantages, mask, clip_eps, ref_logprobs, kl_coef,
+                            num_tokens=num_tokens)
+    with torch.no_grad():
+        sums = torch.stack([loss.float(), token_entropy(logits[mask]).sum(), (logprobs - ref_logprobs)[mask].sum(),
+                            stats["clip_frac"] * mask.sum().float()])
+    return loss, sums

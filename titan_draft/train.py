@@ -10,12 +10,14 @@ One RL step:
   4. separate optimizers and clips for policy and draft; the draft loss never reaches the policy;
   5. the engine's copies are refreshed from the updated weights.
 [draft] mode = "cotrain" | "frozen" | "none" switches step 3's draft update / speculation off.
+With pipeline parallelism, steps 3-4 run through the pipeline schedule (policy stages over the pp
+ranks, the draft on the last): titan_draft/parallel/pipeline_rl.py.
 """
 import copy
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,7 @@ from titan_draft import _compat
 from titan_draft.checkpoint import IN_RL, SFT_DONE, WARMUP_DONE, JobCheckpoint, OptimizerState
 from titan_draft.config import parse_config, tap_layers, validate
 from titan_draft.cotrain import DraftOptimizer, draft_loss
-from titan_draft.grpo import group_advantages, grpo_loss, rollout_batch, token_entropy, token_logprobs
+from titan_draft.grpo import group_advantages, grpo_objective, next_token_logprobs, rollout_batch
 from titan_draft.metrics import MetricsLogger
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
@@ -33,6 +35,7 @@ from titan_draft.parallel.parallelize import (build_parallel_dims, cp_mesh, desc
                                               init_process_group, loss_group, loss_scale, mean_over_dp,
                                               parallelize_draft, parallelize_policy, set_collective_timeout,
                                               sum_over_dp)
+from titan_draft.parallel.pipeline_rl import PipelinedPolicy
 from titan_draft.rollout import RolloutEngine
 from titan_draft.task import SortTask
 from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draft
@@ -56,8 +59,8 @@ class RLState:
     """Everything an RL step reads or updates."""
     cfg: object
     task: SortTask
-    policy: torch.nn.Module
-    start_policy: torch.nn.Module  # reference for the KL metric / penalty
+    policy: torch.nn.Module | None  # None under pipeline parallelism: `pipeline` holds its stages
+    start_policy: torch.nn.Module | None  # reference for the KL metric / penalty (ditto)
     draft: EagleDraft
     policy_opt: torch.optim.Optimizer
     draft_opt: DraftOptimizer
@@ -67,6 +70,7 @@ class RLState:
     data_gen: torch.Generator
     rollout_gen: torch.Generator
     dims: object = None  # torchtitan ParallelDims of a multi-process run
+    pipeline: PipelinedPolicy | None = None  # the policy's and the reference's stages under PP
 
     @classmethod
     def create(cls, cfg, args, task, policy, draft, draft_opt, layers, device, data_gen, rollout_gen, dims=None):
@@ -74,6 +78,10 @@ class RLState:
         engine = RolloutEngine(args, draft.args if cfg.draft.mode != "none" else None, layers,
                                max_batch_size=rl.prompts_per_step * rl.group_size,
                                max_seq_len=cfg.training.seq_len, device=device, dtype=torch.float32)
+        if dims is not None and dims.pp_enabled:  # the warm-started policy becomes this rank's stages
+            pipeline = PipelinedPolicy(cfg, policy, draft, layers, dims)
+            return cls(cfg, task, None, None, draft, pipeline.optimizer, draft_opt, engine, layers, device, data_gen,
+                       rollout_gen, dims, pipeline)
         if dims is None:
             start_policy = copy.deepcopy(policy)
         else:  # FSDP modules cannot be deep-copied: the same layout, then the (sharded) state
@@ -83,6 +91,13 @@ class RLState:
         return cls(cfg, task, policy, start_policy.requires_grad_(False), draft,
                    torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0), draft_opt, engine,
                    layers, device, data_gen, rollout_gen, dims)
+
+    def checkpoint_states(self) -> dict:
+        """The RL states the job's checkpoint tracks (under PP: this rank's stage parts)."""
+        if self.pipeline is not None:
+            return self.pipeline.checkpoint_states()
+        return {"policy_optimizer": OptimizerState(self.policy, self.policy_opt),
+                "start_policy": ModelWrapper(self.start_policy)}
 
 
 @dataclass
@@ -98,7 +113,10 @@ def collect_rollouts(s: RLState) -> Rollouts:
     ro, rl, task = s.cfg.rollout, s.cfg.rl, s.task
     speculate = s.cfg.draft.mode != "none"
     t0 = time.perf_counter()
-    s.engine.load_weights(s.policy, s.draft if speculate else None)
+    if s.pipeline is not None:  # every rank rolls out with the whole policy, gathered from the stages
+        s.engine.load_weights(*s.pipeline.rollout_weights(speculate))
+    else:
+        s.engine.load_weights(s.policy, s.draft if speculate else None)
     # Every rank draws the whole step's prompts (same stream as one process) and rolls out its share.
     dp_rank, dp_degree = dp_rank_and_degree(s.dims)
     prompts = task.sample_prompts(rl.prompts_per_step, s.data_gen).chunk(dp_degree)[dp_rank]
@@ -116,11 +134,27 @@ def collect_rollouts(s: RLState) -> Rollouts:
 
 def train_on(s: RLState, r: Rollouts) -> dict:
     """Steps 2-4: advantages, one policy forward, the policy's and the draft's separate updates."""
-    cfg, d, rl = s.cfg, s.cfg.draft, s.cfg.rl
     t1 = time.perf_counter()
     P = r.prompts.shape[1]
     rewards = s.task.rewards(r.prompts, r.tokens[:, P:])
-    advantages = group_advantages(rewards, rl.group_size)
+    advantages = group_advantages(rewards, s.cfg.rl.group_size)
+    if s.pipeline is not None:  # through the pipeline schedule (titan_draft/parallel/pipeline_rl.py)
+        totals, draft_stats = s.pipeline.update(r.prompts, r.tokens, r.response_lengths, advantages, s.draft_opt)
+    else:
+        totals, draft_stats = _update(s, r, advantages)
+    with torch.no_grad():
+        reward_sum, num_samples = sum_over_dp(torch.stack([rewards.sum(), torch.tensor(float(len(rewards)))])
+                                              .to(s.device), s.dims).tolist()
+    policy_loss, entropy_sum, kl_sum, clipped, tokens = totals.tolist()
+    return {"reward_mean": reward_sum / num_samples, **draft_stats, "policy_loss": policy_loss,
+            "entropy": entropy_sum / tokens, "kl_to_start": kl_sum / tokens, "clip_frac": clipped / tokens,
+            "train_time_s": time.perf_counter() - t1}
+
+
+def _update(s: RLState, r: Rollouts, advantages: torch.Tensor):
+    """Steps 3-4 on the whole policy: returns the totals over all ranks [policy loss, entropy, log p -
+    log p_ref, clipped rows, response rows] and the draft's metrics."""
+    cfg, d, rl = s.cfg, s.cfg.draft, s.cfg.rl
     batch = rollout_batch(r.prompts, r.tokens, r.response_lengths).to(s.device)
     shift = draft_attn = None
     if cp_mesh(s.dims) is not None:  # this rank's zigzag rows of every document; ring attention in both policies
@@ -128,20 +162,19 @@ def train_on(s: RLState, r: Rollouts) -> dict:
         batch, shift, draft_attn = apply_context_parallel(s.policy, batch, cp_mesh(s.dims), d.cp_mode,
                                                           max_shift=d.ttt_steps)
     row_advantages = advantages.to(s.device).repeat_interleave(batch.cu_seqlens.diff().long())
-    # The next token of every row (token_logprobs reads it from the batch): across shard edges under CP.
-    targets = batch if shift is None else replace(batch, tokens=shift(batch.tokens, 1).roll(1))
+    # The next token of every row: across shard edges under CP.
+    next_tokens = batch.tokens.roll(-1) if shift is None else shift(batch.tokens, 1)
 
     # One policy forward: GRPO loss for the policy; taps and logits for the draft.
     with TapRecorder(s.policy, s.layers) as rec:
         logits = forward_packed(s.policy, batch)
-    logprobs = token_logprobs(logits, targets)
     with torch.no_grad():
-        ref_logprobs = token_logprobs(forward_packed(s.start_policy, batch), targets)
+        ref_logprobs = next_token_logprobs(forward_packed(s.start_policy, batch), next_tokens)
     # Losses are normalised by counts over all ranks holding rows (FSDP averages: hence the scale).
     mask = batch.loss_mask
     num_tokens = sum_over_dp(mask.sum().float(), s.dims, "loss")
-    policy_loss, pg_stats = grpo_loss(logprobs, logprobs.detach(), row_advantages, mask,
-                                      rl.clip_eps, ref_logprobs, rl.kl_coef, num_tokens=num_tokens)
+    policy_loss, sums = grpo_objective(logits, next_tokens, row_advantages, mask, ref_logprobs, rl.clip_eps,
+                                       rl.kl_coef, num_tokens)
     (loss_scale(s.dims) * policy_loss).backward()
     torch.nn.utils.clip_grad_norm_(s.policy.parameters(), cfg.training.max_norm)
     s.policy_opt.step()
@@ -157,18 +190,8 @@ def train_on(s: RLState, r: Rollouts) -> dict:
             (loss_scale(s.dims) * d.loss_weight * loss).backward()
             s.draft_opt.step(sum_over_dp(loss.detach(), s.dims, "loss"))  # one rank's NaN: every rank skips
             draft_stats["draft_updates_skipped"] = s.draft_opt.skipped
-
-    with torch.no_grad():
-        reward_sum, num_samples = sum_over_dp(torch.stack([rewards.sum(), torch.tensor(float(len(rewards)))])
-                                              .to(s.device), s.dims).tolist()
-        policy_loss_total, entropy_sum, kl_sum, clipped = sum_over_dp(torch.stack([
-            policy_loss.detach(), token_entropy(logits[mask]).sum(), (logprobs.detach() - ref_logprobs)[mask].sum(),
-            pg_stats["clip_frac"] * mask.sum(),
-        ]), s.dims, "loss").tolist()
-    tokens = num_tokens.item()
-    return {"reward_mean": reward_sum / num_samples, **draft_stats, "policy_loss": policy_loss_total,
-            "entropy": entropy_sum / tokens, "kl_to_start": kl_sum / tokens, "clip_frac": clipped / tokens,
-            "train_time_s": time.perf_counter() - t1}
+    totals = torch.cat([sum_over_dp(sums, s.dims, "loss"), num_tokens[None]])
+    return totals, draft_stats
 
 
 def rl_step(s: RLState) -> dict:
@@ -236,8 +259,8 @@ def run(cfg, args, dims) -> None:
     # --- RL ---------------------------------------------------------------------------------------
     rl_state = RLState.create(cfg, args, task, policy, draft, draft_opt, layers, device, data_gen, rollout_gen,
                               dims)
-    checkpoint.track(policy_optimizer=OptimizerState(policy, rl_state.policy_opt),
-                     start_policy=ModelWrapper(rl_state.start_policy))
+    checkpoint.track_rl(rl_state.checkpoint_states(), draft_trains_here=rl_state.pipeline is None or
+                        rl_state.pipeline.holds_draft)
     if resume_phase == IN_RL:
         checkpoint.load()
     first_step = checkpoint.train_state.rl_step + 1

@@ -1,21 +1,23 @@
 """Pipeline-parallel co-training: the policy split into torchtitan pipeline stages, the draft on the last.
 
 Microbatch layout: the schedule moves [B, S] token rows (and [B, S, dim] activations), one
-document per row, padded at its end; labels are -100 on untrained rows (prompt, padding, last
-token). Every stage runs its microbatch as B packed documents (cu_seqlens = multiples of S,
-positions 0..S-1 per row), derived from the shape it receives, so nothing else has to travel
-with the schedule.
+document per row, padded at its end. Every stage runs its microbatch as B packed documents
+(cu_seqlens = multiples of S, positions 0..S-1 per row), derived from the shape it receives, so
+nothing else has to travel with the schedule. Under context parallelism (a RowLayout with a cp
+mesh) every row is zigzag-sharded over the cp ranks: the schedule moves [B, S/cp] rows, stage
+attention is the packed causal ring (cp_branch_attention), the draft shifts with HaloShift.
 
 Each stage module (TapStage) returns only its usual activation to the schedule and hands its tap
 features (stage 0: the token embeddings first, then its tap layers in ascending order) to the
-TapChannel. The last stage's loss (CoTrainLoss) computes the policy's loss and the draft's TTT
-loss on the microbatch's taps, so the draft's backward rides the schedule's backward; the draft
-is a submodule of the last stage, so zero-bubble schedules' split weight pass reaches it too.
+TapChannel. The last stage's loss (CoTrainLoss) computes the policy's loss (pluggable: next-token
+cross-entropy on labels, or the RL job's GRPO loss on per-row side data; either travels as the
+schedule's `target`, split into microbatches like labels) and the draft's TTT loss on the
+microbatch's taps, so the draft's backward rides the schedule's backward; the draft is a
+submodule of the last stage, so zero-bubble schedules' split weight pass reaches it too.
 torchtitan's PP path sums microbatch losses unscaled: both losses are divided by their global
 counts over the whole step (all microbatches, all data-parallel replicas), computed before it.
 """
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -33,11 +35,14 @@ from torchtitan.distributed.pipeline_parallel import (
 )
 from torchtitan.models.attention import VarlenMetadata
 
+from titan_draft.grpo import grpo_objective, next_token_logprobs
 from titan_draft.models.draft import DocumentShift, EagleDraft, ttt_loss
-from titan_draft.models.policy import TapRecorder
+from titan_draft.models.policy import TapRecorder, install_packed_attention
 from titan_draft.ops import branch_attention
-from titan_draft.packing import positions_from_cu_seqlens
+from titan_draft.parallel.cp_attention import cp_branch_attention
+from titan_draft.parallel.halo import HaloShift
 from titan_draft.parallel.tap_channel import TapChannel
+from titan_draft.parallel.zigzag import zigzag_rows
 
 IGNORE = -100
 
@@ -62,12 +67,50 @@ def row_documents(rows: int, seq_len: int, device) -> VarlenMetadata:
     return VarlenMetadata(cu, cu, seq_len, seq_len)
 
 
-def target_counts(labels: torch.Tensor, ttt_steps: int, group: dist.ProcessGroup | None = None):
-    """(trained tokens, valid draft (anchor, pass) pairs) of a [B, S] label batch, summed over `group`.
+class RowLayout:
+    """Where the rows of one microbatch ([rows, seq_len] documents) sit on this rank.
 
-    Pass d at anchor i is trained on row i + d of the same document when that row is trained.
+    Without a cp mesh: whole rows. With one: every row zigzag-sharded over the cp ranks (chunks r
+    and 2cp-1-r, titan_draft.parallel.zigzag), [rows, seq_len / cp] here; attention (the policy's,
+    no branch, and the draft's) is the packed ring over the global documents, shifts a HaloShift.
     """
-    trained = labels != IGNORE
+
+    def __init__(self, rows: int, seq_len: int, device, cp_mesh=None, cp_mode: str = "ring", max_shift: int = 1):
+        self.rows, self.seq_len, self.cp_mesh, self.cp_mode = rows, seq_len, cp_mesh, cp_mode
+        self.cu_seqlens = row_documents(rows, seq_len, device).cu_seq_q  # global documents
+        if cp_mesh is None:
+            self.columns, self.local_len = None, seq_len
+            self.shift = DocumentShift(self.cu_seqlens)
+            positions = torch.arange(seq_len, device=device)
+        else:
+            cp = cp_mesh.size()
+            if seq_len % (2 * cp):
+                raise ValueError(f"seq_len: {seq_len} is not a multiple of 2 * cp = {2 * cp} (zigzag chunks)")
+            bounds = torch.tensor([0, seq_len], dtype=torch.int32, device=device)
+            self.columns = zigzag_rows(bounds, cp, cp_mesh.get_local_rank())
+            self.local_len = seq_len // cp
+            self.shift = HaloShift(self.cu_seqlens, cp_mesh, max_shift)
+            positions = self.columns
+        self.positions = positions.expand(rows, -1)  # [rows, local_len]: RoPE ids of the local columns
+        self.documents = row_documents(rows, self.local_len, device)
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of a [B, seq_len, ...] tensor."""
+        return x if self.columns is None else x.index_select(1, self.columns.to(x.device))
+
+    def attention(self, q, k, v, branch_k=None, branch_v=None, cu_seqlens=None, scale=None):
+        """Causal attention within the global documents (+ the draft's branch): local rows in, local rows out.
+        cu_seqlens, as the policy's attention slot hands it over, is the local view: unused."""
+        if self.cp_mesh is None:
+            return branch_attention(q, k, v, branch_k, branch_v, cu_seqlens=self.cu_seqlens, scale=scale)
+        return cp_branch_attention(q, k, v, branch_k, branch_v, self.cu_seqlens, self.cp_mesh, self.cp_mode,
+                                   scale=scale)
+
+
+def target_counts(trained: torch.Tensor, ttt_steps: int, group: dist.ProcessGroup | None = None):
+    """(trained tokens, valid draft (anchor, pass) pairs) of a [B, S] bool mask of whole rows, summed
+    over `group`. Pass d at anchor i is trained on row i + d of the same document when that row is trained.
+    """
     pairs = sum(trained[:, d:].sum() for d in range(1, ttt_steps + 1))
     counts = torch.stack([trained.sum(), pairs]).float()
     if group is not None and dist.get_world_size(group) > 1:
@@ -75,23 +118,78 @@ def target_counts(labels: torch.Tensor, ttt_steps: int, group: dist.ProcessGroup
     return counts[0], counts[1]
 
 
+class CrossEntropyLoss:
+    """Policy loss on labels [B, S] (next token, IGNORE on untrained rows): summed cross-entropy / count."""
+
+    def trained(self, target: torch.Tensor) -> torch.Tensor:
+        return target != IGNORE
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor):
+        """(loss, detached metric sums [loss])."""
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE,
+                               reduction="sum") / count
+        return loss, loss.detach()[None]
+
+
+# Columns of the RL target [B, S, 4] (float32: token ids stay exact below 2**24).
+NEXT_TOKEN, RESPONSE, ADVANTAGE, REF_LOGPROB = range(4)
+
+
+def grpo_target(next_tokens, response_mask, advantages, ref_logprobs) -> torch.Tensor:
+    """The per-row side data of the GRPO loss as one [B, S, 4] tensor, which the schedule splits into
+    microbatches along B like labels (torch pipelining takes one target tensor)."""
+    return torch.stack([next_tokens.float(), response_mask.float(), advantages.float(), ref_logprobs.float()], -1)
+
+
+class GRPOLoss:
+    """Policy loss of the RL step on a grpo_target: titan_draft.grpo.grpo_objective (on-policy clipped
+    surrogate + optional KL to the reference), normalised by the step's global count of response rows."""
+
+    def __init__(self, clip_eps: float, kl_coef: float):
+        self.clip_eps, self.kl_coef = clip_eps, kl_coef
+
+    def trained(self, target: torch.Tensor) -> torch.Tensor:
+        return target[..., RESPONSE] > 0
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor):
+        """(loss, detached sums [loss, entropy, log p - log p_ref, clipped rows])."""
+        rows = target.flatten(0, 1)
+        return grpo_objective(logits.flatten(0, 1), rows[:, NEXT_TOKEN].long(), rows[:, ADVANTAGE],
+                              rows[:, RESPONSE] > 0, rows[:, REF_LOGPROB], self.clip_eps, self.kl_coef, count)
+
+
+class NextTokenLogprobs:
+    """The 'loss' of a forward-only pipeline run: log p(next token) [B, S] of the microbatch (the
+    schedule collects it per microbatch), from target = next tokens [B, S]."""
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return next_token_logprobs(logits.flatten(0, 1), target.flatten()).view(target.shape)
+
+
 class TapStage(nn.Module):
     """One pipeline stage of the policy: its usual activation to the schedule, its taps to the channel."""
 
     def __init__(self, part: nn.Module, stage_index: int, tap_layers: list[int], channel: TapChannel | None,
-                 draft: EagleDraft | None = None):
+                 draft: EagleDraft | None = None, layout: RowLayout | None = None):
         super().__init__()
         self.part, self.stage_index, self.channel = part, stage_index, channel
         self.local_taps = [i for i in tap_layers if str(i) in part.layers]
         self.sends_embeddings = part.tok_embeddings is not None
         self.draft = draft  # the last stage only: a submodule so that the schedule's weight pass sees it
+        self.layout = layout
+        if layout is not None and layout.cp_mesh is not None:
+            install_packed_attention(part, layout.attention)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout is None:  # positions default to 0..S-1 per row
+            return self.part(x, attention_masks=row_documents(x.shape[0], x.shape[1], x.device))
+        return self.part(x, attention_masks=self.layout.documents, positions=self.layout.positions)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        documents = row_documents(x.shape[0], x.shape[1], x.device)  # positions default to 0..S-1 per row
         if self.channel is None or not self.channel.in_step or not (self.local_taps or self.sends_embeddings):
-            return self.part(x, attention_masks=documents)
+            return self._run(x)
         with TapRecorder(self.part, self.local_taps) as recorder:
-            out = self.part(x, attention_masks=documents)
+            out = self._run(x)
         features = ([recorder.embeddings()] if self.sends_embeddings else []) + \
                    [recorder.outputs[f"layer{i}"] for i in self.local_taps]
         self.channel.put(self.stage_index, torch.cat(features, dim=-1))
@@ -99,42 +197,58 @@ class TapStage(nn.Module):
 
 
 class CoTrainLoss:
-    """The last stage's loss of one microbatch: policy cross-entropy + weighted draft TTT loss.
+    """The last stage's loss of one microbatch: the policy's loss + weighted draft TTT loss.
 
-    Called by the schedule as loss_fn(logits [B, S, V], labels [B, S]) once per microbatch, in
-    microbatch order; takes that microbatch's features from every producer stage (ascending).
-    Without a draft (the plain-policy twin) it is the policy's loss alone.
+    Called by the schedule as loss_fn(logits [B, S, V], target) once per microbatch, in microbatch
+    order; takes that microbatch's features from every producer stage (ascending). `policy_loss`
+    (CrossEntropyLoss, GRPOLoss) reads its target and says which rows are trained (they are the
+    draft's trained rows too). Without a draft (the plain-policy twin) it is the policy's loss alone.
+    Per step it accumulates the policy loss's metric sums and the draft's per-pass statistics; the
+    returned loss is multiplied by grad_scale (data-parallel gradient averaging, see parallelize.py).
+    train_draft=False (a frozen draft) evaluates the draft without adding its loss.
     """
 
     def __init__(self, draft: EagleDraft | None, channel: TapChannel | None, producer_stages: list[int],
-                 spec: CoTrainSpec):
+                 spec: CoTrainSpec, policy_loss=None, layout: RowLayout | None = None, grad_scale: float = 1.0,
+                 train_draft: bool = True):
         self.draft, self.channel, self.producers, self.spec = draft, channel, sorted(producer_stages), spec
+        self.policy_loss = policy_loss or CrossEntropyLoss()
+        self.layout, self.grad_scale, self.train_draft = layout, grad_scale, train_draft
         self.policy_count = self.draft_count = None
         self.policy_sum = self.draft_sum = 0.0
+        self.policy_stats = self.draft_stats = None
 
     def begin_step(self, policy_count: torch.Tensor, draft_count: torch.Tensor) -> None:
         self.policy_count, self.draft_count = policy_count.clamp(min=1), draft_count.clamp(min=1)
         self.policy_sum = self.draft_sum = 0.0
+        self.policy_stats = self.draft_stats = 0.0
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        rows, seq_len = labels.shape
-        policy = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE,
-                                 reduction="sum") / self.policy_count
-        self.policy_sum += policy.detach()
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        policy, sums = self.policy_loss(logits, target, self.policy_count)
+        self.policy_sum += sums[0]
+        self.policy_stats = self.policy_stats + sums
         if self.draft is None:
-            return policy
+            return self.grad_scale * policy
         features = torch.cat([self.channel.get(s) for s in self.producers], dim=-1)
+        with torch.set_grad_enabled(self.train_draft and torch.is_grad_enabled()):
+            draft = self._draft_loss(features, logits.detach(), self.policy_loss.trained(target))
+        if not self.train_draft:
+            return self.grad_scale * policy
+        return self.grad_scale * (policy + self.spec.loss_weight * draft)
+
+    def _draft_loss(self, features: torch.Tensor, logits: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+        rows, seq_len = trained.shape
+        layout = self.layout or RowLayout(rows, seq_len, logits.device)
         dim = self.draft.args.dim
         emb, taps = features[:, :dim], features[:, dim:]
-        cu = row_documents(rows, seq_len, labels.device).cu_seq_q
-        shift = DocumentShift(cu)
-        states = self.draft.ttt_forward(emb, taps, positions_from_cu_seqlens(cu), self.spec.ttt_steps, shift,
-                                        partial(branch_attention, cu_seqlens=cu))
-        total, _, _ = ttt_loss(self.draft, states, logits.detach().flatten(0, 1), (labels != IGNORE).flatten(),
-                               shift, self.spec.pass_decay)
+        states = self.draft.ttt_forward(emb, taps, layout.positions.flatten(), self.spec.ttt_steps, layout.shift,
+                                        layout.attention)
+        total, _, stats = ttt_loss(self.draft, states, logits.flatten(0, 1), trained.flatten(), layout.shift,
+                                   self.spec.pass_decay)
         draft = total / self.draft_count
         self.draft_sum += draft.detach()
-        return policy + self.spec.loss_weight * draft
+        self.draft_stats = self.draft_stats + torch.stack([torch.stack(s) for s in stats]).float()
+        return draft
 
 
 @dataclass
@@ -151,6 +265,7 @@ class PipelineCoTrain:
     n_microbatches: int
     microbatch_size: int
     dp_group: dist.ProcessGroup | None
+    layout: RowLayout
 
     @property
     def has_first(self) -> bool:
@@ -160,37 +275,68 @@ class PipelineCoTrain:
     def has_last(self) -> bool:
         return any(s.is_last for s in self.stages)
 
-    def step(self, tokens: torch.Tensor, labels: torch.Tensor):
-        """tokens, labels [B, S] of this data-parallel replica (every rank passes them). Returns, on the
-        last stage (else None), this replica's (policy loss, unweighted draft loss): sums over its
-        microbatches divided by the counts of all replicas, so replicas' values add up to the step's."""
+    def _check_rows(self, tokens: torch.Tensor) -> None:
         rows, seq_len = tokens.shape
-        if rows != self.n_microbatches * self.microbatch_size:
-            raise ValueError(f"tokens: {rows} rows, expected n_microbatches x microbatch_size = "
-                             f"{self.n_microbatches} x {self.microbatch_size}")
-        policy_count, draft_count = target_counts(labels, self.spec.ttt_steps, self.dp_group)
-        self.loss.begin_step(policy_count, draft_count)
+        if rows != self.n_microbatches * self.microbatch_size or seq_len != self.layout.seq_len:
+            raise ValueError(f"tokens: {tuple(tokens.shape)}, expected [n_microbatches x microbatch_size, seq_len] "
+                             f"= [{self.n_microbatches} x {self.microbatch_size}, {self.layout.seq_len}]")
+
+    def step(self, tokens: torch.Tensor, target: torch.Tensor):
+        """tokens [B, S] and the policy loss's target ([B, S] labels, or [B, S, C]) of this data-parallel
+        replica, whole rows (every rank passes them; under context parallelism each rank runs its
+        zigzag columns). Returns, on the last stage (else None), this replica's (policy loss,
+        unweighted draft loss): sums over its microbatches divided by the counts of all replicas,
+        so replicas' values add up to the step's (context-parallel ranks' values, too)."""
+        self.begin_step(self.loss.policy_loss.trained(target))
+        return self.run(tokens, self.layout.shard(target) if self.has_last else None)
+
+    def begin_step(self, trained: torch.Tensor) -> None:
+        """The step's loss normalisers from the trained rows [B, S] of this replica (whole rows; every rank)."""
+        self.loss.begin_step(*target_counts(trained, self.spec.ttt_steps, self.dp_group))
+
+    def run(self, tokens: torch.Tensor, local_target: torch.Tensor | None):
+        """The schedule on whole-row tokens [B, S] and the last stage's target, already in this rank's
+        columns (RowLayout.shard); after begin_step. Returns as step()."""
+        self._check_rows(tokens)
         if self.channel is not None:
-            self.channel.begin_step(self.n_microbatches, self.microbatch_size * seq_len)
-        args = (tokens,) if self.has_first else ()
-        target, losses = (labels, []) if self.has_last else (None, None)
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            self.channel.begin_step(self.n_microbatches, self.microbatch_size * self.layout.local_len)
+        args = (self.layout.shard(tokens),) if self.has_first else ()
+        losses = [] if self.has_last else None
+        self.schedule.step(*args, target=local_target if self.has_last else None, losses=losses,
+                           return_outputs=False)
         if self.channel is not None:
             self.channel.end_step()
         return (float(self.loss.policy_sum), float(self.loss.draft_sum)) if self.has_last else None
 
+    @torch.no_grad()
+    def forward_logprobs(self, tokens: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor | None:
+        """Forward only (schedule.eval) of a pipeline built with loss=NextTokenLogprobs(): log p(next
+        token) [B, S_local] of this rank's columns on the last stage, None elsewhere."""
+        self._check_rows(tokens)
+        args = (self.layout.shard(tokens),) if self.has_first else ()
+        target, losses = (self.layout.shard(next_tokens), []) if self.has_last else (None, None)
+        self.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+        return torch.cat(losses) if self.has_last else None
 
-def build_pipeline_cotrain(policy: nn.Module, draft: EagleDraft, spec: CoTrainSpec, *, pp_mesh, pipelines,
+
+def build_pipeline_cotrain(policy: nn.Module, draft: EagleDraft | None, spec: CoTrainSpec, *, pp_mesh, pipelines,
                            schedule: str, n_microbatches: int, microbatch_size: int, seq_len: int,
                            dp_group: dist.ProcessGroup | None = None, taps: bool = True,
-                           put_timeout: float = 120.0, get_timeout: float = 240.0) -> PipelineCoTrain:
+                           put_timeout: float = 120.0, get_timeout: float = 240.0, policy_loss=None,
+                           cp_mesh=None, cp_mode: str = "ring", grad_scale: float = 1.0, parts=None,
+                           loss=None, train_draft: bool = True, dtype: torch.dtype | None = None) -> PipelineCoTrain:
     """Split `policy` over the pp mesh with torchtitan's helpers, wire the TapChannel, build the schedule.
 
     pipelines: global ranks of every pipeline replica in pp order (TapChannel's argument);
     taps=False builds the identical pipeline without channel or draft (the plain policy), for
-    checking that the schedule's own communication does not change.
+    checking that the schedule's own communication does not change. policy_loss: see CoTrainLoss
+    (default: cross-entropy on labels). cp_mesh: run every row zigzag-sharded over it (RowLayout).
+    parts: this rank's already split (and parallelized) parts from split_policy, instead of
+    splitting `policy` here. loss: a loss function replacing CoTrainLoss (with taps=False), e.g.
+    NextTokenLogprobs for forward_logprobs. dtype: of the activations between stages (default the
+    policy's parameters'; FSDP's mixed-precision param dtype when it casts).
     """
-    n_layers = len(policy.layers)
+    n_layers = policy.model_args.n_layers
     layers = list(spec.tap_layers)
     if layers != sorted(set(layers)) or not all(0 <= i < n_layers for i in layers):
         raise ValueError(f"spec.tap_layers: {layers} must be distinct, ascending and in 0..{n_layers - 1}")
@@ -199,31 +345,33 @@ def build_pipeline_cotrain(policy: nn.Module, draft: EagleDraft, spec: CoTrainSp
                          f"{len(layers)} of width {policy.model_args.dim}; build it with draft_args_for(policy "
                          f"args, n_taps=len(spec.tap_layers))")
     pp = pp_mesh.size()
-    multi = issubclass(get_schedule_class(schedule), PipelineScheduleMulti)
-    num_stages = pp * (2 if multi else 1)
+    num_stages = pipeline_num_stages(pp, schedule)
     names = generate_llm_fqn_per_model_part(num_stages, n_layers)
     device = _compat.device()
-    _, parts = pipeline_module_split(policy, pp_mesh, schedule, device, names)
+    if parts is None:
+        parts = split_policy(policy, pp_mesh, schedule)
     stage_ranks = stage_pp_ranks(num_stages, pp, schedule)
     local_stages = [s for s in range(num_stages) if stage_ranks[s] == pp_mesh.get_local_rank()]
     dim, vocab = policy.model_args.dim, policy.model_args.vocab_size
-    dtype = next(policy.parameters()).dtype
+    dtype = dtype or next(policy.parameters()).dtype
+    layout = RowLayout(microbatch_size, seq_len, device, cp_mesh, cp_mode, max_shift=spec.ttt_steps)
 
     widths = {}
     for s, stage_names in enumerate(names):
         count = ("tok_embeddings" in stage_names) + sum(f"layers.{i}" in stage_names for i in spec.tap_layers)
         if count:
             widths[s] = count * dim
-    channel = TapChannel(pipelines, stage_ranks, widths, microbatch_size * seq_len, dtype, device,
+    channel = TapChannel(pipelines, stage_ranks, widths, microbatch_size * layout.local_len, dtype, device,
                          put_timeout, get_timeout) if taps else None
 
     # Every rank needs a loss function: torch pipelining runs backward only when it has one.
-    loss = CoTrainLoss(draft if taps else None, channel, list(widths), spec)
+    cotrain_loss = CoTrainLoss(draft if taps else None, channel, list(widths), spec, policy_loss, layout, grad_scale,
+                               train_draft)
     stages = []
     for s, part in zip(local_stages, parts):
         last = s == num_stages - 1
-        module = TapStage(part, s, spec.tap_layers if taps else [], channel, draft if taps and last else None)
-        shape = (microbatch_size, seq_len)
+        module = TapStage(part, s, spec.tap_layers if taps else [], channel, draft if taps and last else None, layout)
+        shape = (microbatch_size, layout.local_len)
         inputs = torch.empty(shape, dtype=torch.long, device="meta") if s == 0 else \
             torch.empty(*shape, dim, dtype=dtype, device="meta", requires_grad=True)
         outputs = torch.empty(*shape, vocab if last else dim, dtype=dtype, device="meta", requires_grad=True)
@@ -237,6 +385,25 @@ def build_pipeline_cotrain(policy: nn.Module, draft: EagleDraft, spec: CoTrainSp
     job.parallelism.pipeline_parallel_degree = pp
     job.parallelism.pipeline_parallel_microbatch_size = microbatch_size
     job.training.local_batch_size = n_microbatches * microbatch_size
-    pp_schedule = build_pipeline_schedule(job, stages, loss)
-    return PipelineCoTrain(pp_schedule, stages, parts, channel, loss, spec, stage_ranks, n_microbatches,
-                           microbatch_size, dp_group)
+    pp_schedule = build_pipeline_schedule(job, stages, loss or cotrain_loss)
+    return PipelineCoTrain(pp_schedule, stages, parts, channel, cotrain_loss, spec, stage_ranks, n_microbatches,
+                           microbatch_size, dp_group, layout)
+
+
+def pipeline_num_stages(pp: int, schedule: str) -> int:
+    """Stages of a schedule on pp ranks: two per rank for the multi-stage (interleaved, V) schedules."""
+    return pp * (2 if issubclass(get_schedule_class(schedule), PipelineScheduleMulti) else 1)
+
+
+def last_stage_pp_rank(pp: int, schedule: str) -> int:
+    """The pp rank holding the last stage (the draft's): pp - 1, or 0 for V-style schedules."""
+    return stage_pp_ranks(pipeline_num_stages(pp, schedule), pp, schedule)[-1]
+
+
+def split_policy(policy: nn.Module, pp_mesh, schedule: str) -> list[nn.Module]:
+    """This rank's stage parts of an unsharded `policy` (torchtitan's pipeline_module_split: copies
+    with the other stages' modules removed, FQNs unchanged), in stage order."""
+    num_stages = pipeline_num_stages(pp_mesh.size(), schedule)
+    names = generate_llm_fqn_per_model_part(num_stages, policy.model_args.n_layers)
+    _, parts = pipeline_module_split(policy, pp_mesh, schedule, _compat.device(), names)
+    return parts
