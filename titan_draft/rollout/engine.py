@@ -184,6 +184,10 @@ class RolloutEngine:
             draft_shape = (max_batch_size, self.slots + self.max_k, draft_args.n_kv_heads, draft_args.head_dim)
             self.draft_k = torch.zeros(draft_shape, device=self.device, dtype=dtype)
             self.draft_v = torch.zeros(draft_shape, device=self.device, dtype=dtype)
+            # _branch_masks[k]: the branch slots pass k attends (passes 2..k), constant.
+            slot = torch.arange(draft_shape[1], device=self.device)
+            self._branch_masks = torch.stack([(slot >= self.slots) & (slot < self.slots + k - 1)
+                                              for k in range(self.max_k + 1)])
 
         # Decode-step state, static so that captured steps always find it at the same addresses.
         # Token columns: a verify window may start at max_seq_len - 1 and write K + 1 tokens.
@@ -284,38 +288,40 @@ class RolloutEngine:
         hidden = self.draft.complete(out, hidden)
         return hidden[rows, count - 1]
 
-    def draft_pass(self, k: int, emb: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor):
+    def draft_pass(self, k: int, emb: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
+                   trunk: torch.Tensor | None = None):
         """Pass k >= 2 at anchor [B]: input e(t_{k-1}) [B, dim] and pass k-1's hidden [B, dim];
-        returns pass k's hidden [B, dim]."""
+        returns pass k's hidden [B, dim]. trunk: the mask of slots <= anchor, [B, slots + max_k]
+        (built here when not given; _propose builds it once for all passes)."""
         B = emb.shape[0]
         rows = torch.arange(B, device=emb.device)
         q, key, value = self.draft.project_qkv(emb, hidden, anchor + k - 1)
         self.draft_k[rows, self.slots + k - 2] = key
         self.draft_v[rows, self.slots + k - 2] = value
-        slot = torch.arange(self.draft_k.shape[1], device=emb.device)
-        branch = (slot >= self.slots) & (slot < self.slots + k - 1)
-        mask = (slot <= anchor[:, None]) | branch
+        if trunk is None:
+            trunk = self._trunk_mask(anchor)
+        mask = trunk | self._branch_masks[k]
         out = _attend(q[:, None], self.draft_k[:B], self.draft_v[:B], mask[:, None])
         return self.draft.complete(out[:, 0], hidden)
 
-    def _draft_distribution(self, hidden, temperature, top_p, generator):
-        """q over the target vocabulary (0 outside the draft's) and one sample from it."""
-        probs = probs_from_logits(self.draft.logits(hidden), temperature, top_p)
-        token = self._target_ids[sample(probs, generator)]
-        q = probs.new_zeros(probs.shape[0], self.policy.output.out_features)
-        q[:, self._target_ids] = probs
-        return token, q
+    def _trunk_mask(self, anchor):
+        """Draft-cache slots <= anchor [B] (trunk slots of earlier anchors; branch slots lie beyond)."""
+        return torch.arange(self.draft_k.shape[1], device=anchor.device) <= anchor[:, None]
 
     def _propose(self, hidden, anchor, K, temperature, top_p, generator):
-        """K chained draft tokens [B, K] and their distributions [B, K, V] from pass 1's hidden."""
+        """K chained draft tokens [B, K] and their distributions [B, K, V] (target vocabulary, 0
+        outside the draft's) from pass 1's hidden."""
+        trunk = self._trunk_mask(anchor)
         tokens, probs = [], []
         for k in range(1, K + 1):
             if k > 1:
-                hidden = self._draft_pass(k, self.policy.tok_embeddings(tokens[-1]), hidden, anchor)
-            token, q = self._draft_distribution(hidden, temperature, top_p, generator)
-            tokens.append(token)
-            probs.append(q)
-        return torch.stack(tokens, 1), torch.stack(probs, 1)
+                hidden = self._draft_pass(k, self.policy.tok_embeddings(tokens[-1]), hidden, anchor, trunk)
+            probs.append(probs_from_logits(self.draft.logits(hidden), temperature, top_p))
+            tokens.append(self._target_ids[sample(probs[-1], generator)])
+        draft_probs = torch.stack(probs, 1)
+        target_probs = draft_probs.new_zeros(*draft_probs.shape[:2], self.policy.output.out_features)
+        target_probs[..., self._target_ids] = draft_probs
+        return torch.stack(tokens, 1), target_probs
 
     # --- generation ----------------------------------------------------------------------------------
     @contextmanager
@@ -351,6 +357,27 @@ class RolloutEngine:
     def captured(self, fn):
         """fn (no arguments, no outputs) as a CapturedCall on CUDA with cuda_graphs, else fn itself."""
         return CapturedCall(fn, self._rng, self._graph_pool) if self.cuda_graphs else fn
+
+    def _run(self, key: tuple, fn) -> None:
+        """fn(), replayed from its CUDA graph when the engine captures (one graph per key)."""
+        if key not in self._steps:
+            self._steps[key] = self.captured(fn)
+        self._steps[key]()
+
+    def _prefill(self, B: int, P: int, K: int, temperature: float, top_p: float) -> None:
+        """The prompts (already in the token buffer) through the policy, the first response token,
+        the row state, and the draft's trunk over the prompt; in place, no host sync."""
+        tokens, lengths, done = self._tokens[:B], self._lengths[:B], self._done[:B]
+        logits, taps, _ = self._policy_step(tokens[:, :P], torch.arange(P, device=tokens.device).expand(B, P))
+        tokens[:, P] = sample(probs_from_logits(logits[:, -1], temperature, top_p), self._rng)
+        lengths.fill_(P + 1)
+        done.copy_((tokens[:, P] == self._eos) | (lengths >= self._limit[:B]))
+        for counter in (self._verify_rows, self._emitted, self._accepted_at_least):
+            counter.zero_()
+        if K:
+            next_emb = self.policy.tok_embeddings(tokens[:, 1:P + 1])
+            self._hidden[:B] = self._draft_extend(next_emb, taps, torch.zeros_like(lengths),
+                                                  torch.full_like(lengths, P))
 
     def _decode_step(self, B: int, K: int, temperature: float, top_p: float) -> None:
         """One decode step of rows 0..B-1, in place on the engine's state buffers; no host sync.
@@ -415,26 +442,14 @@ class RolloutEngine:
             tokens, lengths, done = self._tokens[:B], self._lengths[:B], self._done[:B]
             tokens.fill_(eos_id)
             tokens[:, :P] = prompts.to(dev)
-            logits, taps, _ = self._policy_step(tokens[:, :P], torch.arange(P, device=dev).expand(B, P))
-            tokens[:, P] = sample(probs_from_logits(logits[:, -1], temperature, top_p), self._rng)
-            lengths.fill_(P + 1)
             self._limit[:B] = total
             self._eos.fill_(eos_id)
-            done.copy_((tokens[:, P] == eos_id) | (lengths >= total))
-            for counter in (self._verify_rows, self._emitted, self._accepted_at_least):
-                counter.zero_()
-            if K:
-                next_emb = self.policy.tok_embeddings(tokens[:, 1:P + 1])
-                self._hidden[:B] = self._draft_extend(next_emb, taps, torch.zeros_like(lengths),
-                                                      torch.full_like(lengths, P))
+            self._run(("prefill", B, P, K, temperature, top_p), lambda: self._prefill(B, P, K, temperature, top_p))
 
-        key = (B, K, temperature, top_p)
-        if key not in self._steps:
-            self._steps[key] = self.captured(lambda: self._decode_step(B, K, temperature, top_p))
-        step, steps = self._steps[key], 0
+        step_key, steps = (B, K, temperature, top_p), 0
         start = time.perf_counter()
         while not bool(done.all()):  # the loop's one host sync per step
-            step()
+            self._run(step_key, lambda: self._decode_step(B, K, temperature, top_p))
             steps += 1
         timing["decode_s"] = time.perf_counter() - start
 
