@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from titan_draft.rollout import probs_from_logits, speculative_accept
+from titan_draft.rollout import probs_from_logits, sample, speculative_accept
 
 V, K = 8, 3
 # 0.999 quantile of the chi-square distribution with V - 1 = 7 degrees of freedom.
@@ -48,6 +48,20 @@ def test_emitted_tokens_follow_the_target():
     assert (tokens[position > num_accepted[:, None]] == -1).all()
     assert (tokens[position <= num_accepted[:, None]] >= 0).all()
 
+
+def test_sample_follows_the_weights():
+    """The exponential race samples rows of (unnormalised) weights exactly; zero weights never win."""
+    gen = torch.Generator().manual_seed(4)
+    weights = torch.tensor([0.0, 3.0, 1.0, 0.0, 2.0, 0.5, 1.5, 2.0])
+    n = 100_000
+    draws = sample(weights.expand(n, V), gen)
+    assert draws.shape == (n,)
+    assert not ((draws == 0) | (draws == 3)).any()
+    support = weights > 0
+    counts = torch.bincount(draws, minlength=V).double()[support]
+    expected = (weights / weights.sum()).double()[support] * n
+    # 0.999 quantile of the chi-square distribution with 6 - 1 = 5 degrees of freedom: 20.515.
+    assert float(((counts - expected) ** 2 / expected).sum()) < 20.515
 
 def test_all_accepted_then_bonus_from_last_position():
     gen = torch.Generator().manual_seed(1)
