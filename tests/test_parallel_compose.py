@@ -36,9 +36,9 @@ def fixed_rollouts(cfg, task):
     return Rollouts(prompts, torch.cat([prompts, responses], 1), lengths, {})
 
 
-def cotrain_step(argv, dims_from_world: bool, poison_draft: bool = False):
-    """One train_on() step; returns (metrics, {param: grad}) with full (gathered) gradients.
-    poison_draft puts a NaN into the draft's lm_head, so its loss is not finite."""
+def cotrain_step(argv, dims_from_world: bool, poison_draft: bool = False, return_state: bool = False):
+    """One train_on() step; returns (metrics, {param: grad}) with full (gathered) gradients (and the
+    RLState with return_state). poison_draft puts a NaN into the draft's lm_head, so its loss is not finite."""
     from torch.distributed.tensor import DTensor
 
     from titan_draft.cotrain import DraftOptimizer
@@ -81,7 +81,7 @@ def cotrain_step(argv, dims_from_world: bool, poison_draft: bool = False):
     share = Rollouts(*(x.chunk(degree)[rank] for x in (rollouts.prompts, rollouts.tokens, rollouts.response_lengths)),
                      {})
     metrics = train_on(state, share)
-    return metrics, grads
+    return (metrics, grads, state) if return_state else (metrics, grads)
 
 
 def _worker(rank, world_size, argv):
@@ -160,12 +160,31 @@ PIPELINE_LAYOUTS = {  # 4 ranks each; the 1F1B schedule, one row per microbatch
 }
 
 
+def _pipeline_worker(rank, world_size, argv):
+    """The step, then the rollout engine's weights gathered from the stages (collect_rollouts' path):
+    the names that differ from this rank's own updated parts and draft (none, if the gather is exact)."""
+    from titan_draft.parallel.pipeline_rl import full_state
+
+    metrics, grads, state = cotrain_step(argv, dims_from_world=True, return_state=True)
+    state.engine.load_weights(*state.pipeline.rollout_weights(with_draft=True))
+    own = {}
+    for part in state.pipeline.parts:
+        own.update({f"policy.{k}": v for k, v in full_state(part).items()})
+    if state.pipeline.holds_draft:
+        own.update({f"draft.{k}": v for k, v in full_state(state.draft).items()})
+    engine = {**{f"policy.{k}": v for k, v in state.engine.policy.state_dict().items()},
+              **{f"draft.{k}": v for k, v in state.engine.draft.state_dict().items()}}
+    differ = [name for name, value in own.items() if not torch.equal(engine[name], value)]
+    return metrics, grads, differ, len(own)
+
+
 @pytest.mark.parametrize("layout", PIPELINE_LAYOUTS)
 def test_pipeline_layout_equals_single_process(single_process_step, layout):
-    results = run_distributed(_worker, 4, TINY + PIPELINE_LAYOUTS[layout], timeout=150)
+    results = run_distributed(_pipeline_worker, 4, TINY + PIPELINE_LAYOUTS[layout], timeout=150)
     union = {}
-    for result in results:
-        assert_same_values(single_process_step, result)
-        union.update(result[1])
+    for metrics, grads, differ, checked in results:
+        assert_same_values(single_process_step, (metrics, grads))
+        assert not differ and checked > 0, differ  # the engine got exactly the updated stage weights
+        union.update(grads)
     assert union.keys() == single_process_step[1].keys()  # every gradient is on some rank
-    assert all(not any(k.startswith("draft.") for k in grads) for _, grads in results[:2])  # pp rank 0: no draft
+    assert all(not any(k.startswith("draft.") for k in r[1]) for r in results[:2])  # pp rank 0: no draft
