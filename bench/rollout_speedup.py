@@ -33,8 +33,8 @@ from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draf
 DEVICE_DEFAULTS = {
     "cpu": dict(flavor="tiny", dtype="float32", num_items=10, k=4, sft_steps=200, sft_lr=3e-3,
                 draft_steps=100, min_acceptance=2.0, batch_size=16),
-    "cuda": dict(flavor="medium", dtype="bfloat16", num_items=24, k=5, sft_steps=250, sft_lr=5e-4,
-                 draft_steps=250, min_acceptance=3.0, batch_size=32),
+    "cuda": dict(flavor="medium", dtype="bfloat16", num_items=20, k=5, sft_steps=200, sft_lr=1e-3,
+                 draft_steps=200, min_acceptance=3.0, batch_size=32),
 }
 
 

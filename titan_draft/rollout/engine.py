@@ -154,7 +154,7 @@ class RolloutEngine:
                  compile: bool = False, cuda_graphs: bool = True):
         """Inference copies of the policy (and draft), and static caches for max_batch_size rows of
         up to max_seq_len tokens (prompt + response), with up to max_speculative_tokens drafts.
-        cuda_graphs: replay decode steps as CUDA graphs (on CUDA devices; ignored elsewhere)."""
+        cuda_graphs: replay prefill and decode steps as CUDA graphs (on CUDA devices; ignored elsewhere)."""
         model_cls, self._rope, rope_name = _policy_family(policy_args)
         self.tap_layers = sorted(tap_layers)
         if draft_args is not None and len(self.tap_layers) != draft_args.n_taps:
