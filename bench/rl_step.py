@@ -83,6 +83,13 @@ def warm_start(cfg, device, folder):
     return (args, task, layers), (policy, draft, draft_opt, data_gen, rollout_gen), times
 
 
+def clone_generator(g: torch.Generator) -> torch.Generator:
+    """A generator on the same device in the same state (CPU or CUDA)."""
+    clone = torch.Generator(device=g.device)
+    clone.set_state(g.get_state())
+    return clone
+
+
 def timed_step(state, device) -> dict:
     """One RL step (collect_rollouts + train_on), timed end to end after a device sync."""
     sync(device)
@@ -126,7 +133,8 @@ def main():
     for mode in MODES:  # identical copies of the trained models, optimizer and generators; the job's RL state
         mode_cfg = copy.deepcopy(cfg)
         mode_cfg.draft.mode = mode
-        policy, draft, draft_opt, data_gen, rollout_gen = copy.deepcopy(trained)
+        policy, draft, draft_opt = copy.deepcopy(trained[:3])  # one deepcopy: the optimizer keeps its draft
+        data_gen, rollout_gen = (clone_generator(g) for g in trained[3:])
         states[mode] = RLState.create(mode_cfg, args, task, policy, draft, draft_opt, layers, device, data_gen,
                                       rollout_gen)
     del trained
