@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from titan_draft.grpo import group_advantages, grpo_loss, rollout_batch, token_logprobs
+from titan_draft.grpo import group_advantages, grpo_loss, next_token_logprobs, rollout_batch
 from titan_draft.models.policy import build_policy, forward_packed
 
 V, P, GROUP, N_PROMPTS, MAX_R = 12, 3, 4, 2, 5
@@ -53,7 +53,7 @@ def hand_terms(tokens, lengths, rewards, W, W_ref, old_shift):
 
 @pytest.mark.parametrize("off_policy", [False, True])
 def test_grpo_step_matches_hand_loss_and_gradient(off_policy):
-    """A bigram policy (logits = W[x_t]) through rollout_batch / token_logprobs / grpo_loss."""
+    """A bigram policy (logits = W[x_t]) through rollout_batch / next_token_logprobs / grpo_loss."""
     torch.manual_seed(0)
     prompts, tokens, lengths, rewards = rollouts(1)
     W = torch.randn(V, V, dtype=F64, requires_grad=True)
@@ -67,8 +67,8 @@ def test_grpo_step_matches_hand_loss_and_gradient(off_policy):
     # the product path
     batch = rollout_batch(prompts, tokens, lengths)
     logits = W[batch.tokens]
-    logprobs = token_logprobs(logits, batch).double()
-    ref_logprobs = token_logprobs(W_ref[batch.tokens], batch).double()
+    logprobs = next_token_logprobs(logits, batch.tokens.roll(-1)).double()
+    ref_logprobs = next_token_logprobs(W_ref[batch.tokens], batch.tokens.roll(-1)).double()
     starts = batch.cu_seqlens[:-1].long().repeat_interleave(batch.cu_seqlens.diff().long())
     doc = torch.arange(len(tokens)).repeat_interleave(batch.cu_seqlens.diff().long())
     row_shift = shifts[doc, batch.positions] if off_policy else torch.zeros_like(logprobs)
@@ -99,7 +99,7 @@ def test_grpo_step_matches_hand_loss_and_gradient(off_policy):
         hand_grad[it["x"]] += dlogp / N * d_row
         clipped += abs(float(ratio) - 1) > CLIP
 
-    # token_logprobs and group_advantages compute in float32 (logits.float(), rewards.float()),
+    # next_token_logprobs and group_advantages compute in float32 (logits.float(), rewards.float()),
     # so the float64 hand values agree to float32 precision.
     torch.testing.assert_close(loss, torch.as_tensor(hand_loss, dtype=F64), rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(grad, hand_grad, rtol=1e-5, atol=1e-7)
@@ -115,14 +115,14 @@ def test_grpo_step_matches_hand_loss_and_gradient(off_policy):
 
 
 def test_grpo_on_tiny_policy_equals_hand_loss_from_its_logits():
-    """The real packed policy: grpo_loss over token_logprobs equals the hand formula applied to its
+    """The real packed policy: grpo_loss over next_token_logprobs equals the hand formula applied to its
     logits row by row (row t of a document scores token t+1), parameter gradients included."""
     policy = build_policy("llama3", "tiny_gqa", 32, seed=0)
     prompts, tokens, lengths, rewards = rollouts(2)
     batch = rollout_batch(prompts, tokens, lengths)
     logits = forward_packed(policy, batch)
     old_shift = torch.linspace(-0.4, 0.4, batch.num_tokens)
-    logprobs = token_logprobs(logits, batch)
+    logprobs = next_token_logprobs(logits, batch.tokens.roll(-1))
     row_adv = group_advantages(rewards, GROUP).repeat_interleave(batch.cu_seqlens.diff().long())
     loss, _ = grpo_loss(logprobs, logprobs.detach() - old_shift, row_adv, batch.loss_mask, CLIP,
                         logprobs.detach() + 0.1, KL)

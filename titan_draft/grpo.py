@@ -17,11 +17,6 @@ def rollout_batch(prompts: torch.Tensor, tokens: torch.Tensor, response_lengths:
     return pack_rows(tokens, first_trained_row=P - 1, lengths=P + response_lengths.cpu())
 
 
-def token_logprobs(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-    """log p(x_{t+1} | x_<=t) for every row t [T] (meaningful where loss_mask is set)."""
-    return next_token_logprobs(logits, batch.tokens.roll(-1))
-
-
 def next_token_logprobs(logits: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
     """log p(next_tokens[t]) under logits [T, V] for every row t [T], in float32."""
     return -F.cross_entropy(logits.float(), next_tokens, reduction="none")
