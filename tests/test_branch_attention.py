@@ -143,6 +143,23 @@ def test_low_precision_close_to_float64_reference(dtype, out_tol, grad_tol):
         assert relative_error(g, w) < grad_tol, name
 
 
+
+def test_autocast_leaves_branch_attention_unchanged():
+    """Under autocast (the training forwards on GPU) the op computes exactly as outside it: its
+    float32 softmax arithmetic must not be downcast, or the backward's recomputed probabilities
+    would not match the forward's lse."""
+    torch.manual_seed(4)
+    cu = packed_boundaries([1, 17, 30, 16])
+    inputs = [x.detach().to(torch.bfloat16).requires_grad_() for x in branch_inputs(64, 4, 2, 3)]
+    grad_out = torch.randn(64, 4, 8, dtype=torch.bfloat16)
+    plain = branch_attention(*inputs, cu_seqlens=cu)
+    plain_grads = grads(plain[0], inputs, grad_out)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = branch_attention(*inputs, cu_seqlens=cu)
+    for got, want in zip([*autocast, *grads(autocast[0], inputs, grad_out)], [*plain, *plain_grads]):
+        assert torch.equal(got, want)
+
+
 def test_error_messages():
     q, k, v, bk, bv = branch_inputs(6, 4, 2, 2)
     with pytest.raises(ValueError, match="multiple of kv heads"):
@@ -308,16 +325,17 @@ def run_with_backend(monkeypatch, backend, function, *args):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_cuda_block_primitives_match_math(monkeypatch, backend, causal):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_block_primitives_match_math(monkeypatch, backend, causal, head_dim):
     torch.manual_seed(6)
     lengths_q = [1, 300, 0, 777, 129]
     lengths_k = lengths_q if causal else [64, 0, 5, 900, 129]
     cu_q, cu_k = packed_boundaries(lengths_q, "cuda"), packed_boundaries(lengths_k, "cuda")
-    q = torch.randn(sum(lengths_q), 8, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(sum(lengths_k), 2, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(sum(lengths_q), 8, head_dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lengths_k), 2, head_dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     grad_out = torch.randn_like(q)
-    args = (cu_q, cu_k, max(lengths_q), max(lengths_k), causal, 128 ** -0.5)
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k), causal, head_dim ** -0.5)
 
     results = {}
     for name in (backend, "math"):

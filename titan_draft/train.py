@@ -13,6 +13,7 @@ One RL step:
 With pipeline parallelism, steps 3-4 run through the pipeline schedule (policy stages over the pp
 ranks, the draft on the last): titan_draft/parallel/pipeline_rl.py.
 """
+import contextlib
 import copy
 import os
 import sys
@@ -34,12 +35,13 @@ from titan_draft.parallel import apply_context_parallel
 from titan_draft.parallel.parallelize import (build_parallel_dims, cp_mesh, describe_rank, dp_rank_and_degree,
                                               init_process_group, loss_group, loss_scale, mean_over_dp,
                                               parallelize_draft, parallelize_policy, set_collective_timeout,
-                                              sum_over_dp)
+                                              sum_over_dp, training_autocast)
 from titan_draft.parallel.pipeline_rl import PipelinedPolicy
 from titan_draft.rollout import RolloutEngine
 from titan_draft.task import SortTask
 from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draft
 from torchtitan.components.checkpoint import ModelWrapper
+from torchtitan.config import TORCH_DTYPE_MAP
 
 
 def build_models(cfg, device):
@@ -71,17 +73,20 @@ class RLState:
     rollout_gen: torch.Generator
     dims: object = None  # torchtitan ParallelDims of a multi-process run
     pipeline: PipelinedPolicy | None = None  # the policy's and the reference's stages under PP
+    amp: contextlib.AbstractContextManager = contextlib.nullcontext()  # the training forwards' precision
 
     @classmethod
     def create(cls, cfg, args, task, policy, draft, draft_opt, layers, device, data_gen, rollout_gen, dims=None):
-        rl = cfg.rl
+        rl, precision = cfg.rl, cfg.training.mixed_precision_param
+        # Rollouts run in the training forwards' precision: bf16 on GPU by default, float32 on CPU.
         engine = RolloutEngine(args, draft.args if cfg.draft.mode != "none" else None, layers,
-                               max_batch_size=rl.prompts_per_step * rl.group_size,
-                               max_seq_len=cfg.training.seq_len, device=device, dtype=torch.float32)
+                               max_batch_size=rl.prompts_per_step * rl.group_size, max_seq_len=cfg.training.seq_len,
+                               device=device, dtype=torch.float32 if device.type == "cpu" else TORCH_DTYPE_MAP[precision])
+        amp = training_autocast(precision, device, dims)
         if dims is not None and dims.pp_enabled:  # the warm-started policy becomes this rank's stages
             pipeline = PipelinedPolicy(cfg, policy, draft, layers, dims)
             return cls(cfg, task, None, None, draft, pipeline.optimizer, draft_opt, engine, layers, device, data_gen,
-                       rollout_gen, dims, pipeline)
+                       rollout_gen, dims, pipeline, amp)
         if dims is None:
             start_policy = copy.deepcopy(policy)
         else:  # FSDP modules cannot be deep-copied: the same layout, then the (sharded) state
@@ -90,7 +95,7 @@ class RLState:
             start_policy.load_state_dict(policy.state_dict())
         return cls(cfg, task, policy, start_policy.requires_grad_(False), draft,
                    torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0), draft_opt, engine,
-                   layers, device, data_gen, rollout_gen, dims)
+                   layers, device, data_gen, rollout_gen, dims, amp=amp)
 
     def checkpoint_states(self) -> dict:
         """The RL states the job's checkpoint tracks (under PP: this rank's stage parts)."""
@@ -166,9 +171,9 @@ def _update(s: RLState, r: Rollouts, advantages: torch.Tensor):
     next_tokens = batch.tokens.roll(-1) if shift is None else shift(batch.tokens, 1)
 
     # One policy forward: GRPO loss for the policy; taps and logits for the draft.
-    with TapRecorder(s.policy, s.layers) as rec:
+    with s.amp, TapRecorder(s.policy, s.layers) as rec:
         logits = forward_packed(s.policy, batch)
-    with torch.no_grad():
+    with s.amp, torch.no_grad():
         ref_logprobs = next_token_logprobs(forward_packed(s.start_policy, batch), next_tokens)
     # Losses are normalised by counts over all ranks holding rows (FSDP averages: hence the scale).
     mask = batch.loss_mask
@@ -183,7 +188,7 @@ def _update(s: RLState, r: Rollouts, advantages: torch.Tensor):
     # The draft's update: its inputs are detached, so nothing here reaches the policy.
     draft_stats = {}
     if d.mode != "none":
-        with torch.set_grad_enabled(d.mode == "cotrain"):
+        with s.amp, torch.set_grad_enabled(d.mode == "cotrain"):
             loss, draft_stats = draft_loss(s.draft, rec.embeddings(), rec.taps(), logits, batch, d.ttt_steps,
                                            d.pass_decay, shift, draft_attn, group=loss_group(s.dims))
         if d.mode == "cotrain":
@@ -234,6 +239,7 @@ def run(cfg, args, dims) -> None:
         parallelize_policy(policy, dims, cfg)
         parallelize_draft(draft, dims, cfg)
     d, rl = cfg.draft, cfg.rl
+    amp = training_autocast(cfg.training.mixed_precision_param, device, dims)
     checkpoint = JobCheckpoint(cfg, policy, draft, {"data": data_gen, "rollout": rollout_gen})
     resume_phase = checkpoint.resume_phase()
     draft_opt = DraftOptimizer(draft, d.lr, d.max_norm)
@@ -245,14 +251,14 @@ def run(cfg, args, dims) -> None:
         checkpoint.load()
     if resume_phase < SFT_DONE:
         sft_policy(policy, task, rl.sft_steps, rl.sft_lr, rl.sft_batch_size, cfg.task.sft_swap_prob, data_gen,
-                   device, metrics)
+                   device, metrics, amp=amp)
         checkpoint.save(SFT_DONE)
     if resume_phase < WARMUP_DONE:
         draft_vocab_from_data(task, draft, data_gen, cfg.task.sft_swap_prob)
         if d.mode != "none":
             draft_opt = warmup_draft(policy, draft, task, layers, d.warmup_steps, d.lr, d.max_norm,
                                      rl.sft_batch_size, d.ttt_steps, d.pass_decay, cfg.task.sft_swap_prob, warmup_gen,
-                                     device, metrics)
+                                     device, metrics, amp=amp)
         checkpoint.track(draft_optimizer=OptimizerState(draft, draft_opt.optimizer))
         checkpoint.save(WARMUP_DONE)
 

@@ -1,4 +1,9 @@
-"""Before RL: supervised fine-tuning of the policy on the task, then offline draft training on its taps."""
+"""Before RL: supervised fine-tuning of the policy on the task, then offline draft training on its taps.
+
+`amp` is the training forwards' precision context (parallelize.training_autocast), entered around every
+forward; the default is plain float32."""
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -22,13 +27,16 @@ def sft_batch(task: SortTask, n: int, generator: torch.Generator, swap_prob: flo
 
 
 def sft_policy(policy, task: SortTask, steps: int, lr: float, batch_size: int, swap_prob: float,
-               generator: torch.Generator, device, metrics: MetricsLogger, log_every: int = 50) -> None:
+               generator: torch.Generator, device, metrics: MetricsLogger, log_every: int = 50,
+               amp=contextlib.nullcontext()) -> None:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     bar = progress(range(1, steps + 1), "sft", metrics.enabled)
     for step in bar:
         batch = sft_batch(task, batch_size, generator, swap_prob, device)
-        loss = next_token_loss(forward_packed(policy, batch), batch)
+        with amp:
+            logits = forward_packed(policy, batch)
+        loss = next_token_loss(logits, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         optimizer.step()
@@ -50,15 +58,17 @@ def draft_vocab_from_data(task: SortTask, draft: EagleDraft, generator: torch.Ge
 
 def warmup_draft(policy, draft: EagleDraft, task: SortTask, tap_layers: list[int], steps: int, lr: float,
                  max_norm: float, batch_size: int, ttt_steps: int, pass_decay: float, swap_prob: float,
-                 generator: torch.Generator, device, metrics: MetricsLogger, log_every: int = 50) -> DraftOptimizer:
+                 generator: torch.Generator, device, metrics: MetricsLogger, log_every: int = 50,
+                 amp=contextlib.nullcontext()) -> DraftOptimizer:
     """Train the draft alone on the (frozen) policy's taps and logits; returns its optimizer for RL."""
     optimizer = DraftOptimizer(draft, lr, max_norm)
     bar = progress(range(1, steps + 1), "draft warm-up", metrics.enabled)
     for step in bar:
         batch = sft_batch(task, batch_size, generator, swap_prob, device)
-        with torch.no_grad(), TapRecorder(policy, tap_layers) as rec:
-            logits = forward_packed(policy, batch)
-        loss, stats = draft_loss(draft, rec.embeddings(), rec.taps(), logits, batch, ttt_steps, pass_decay)
+        with amp:
+            with torch.no_grad(), TapRecorder(policy, tap_layers) as rec:
+                logits = forward_packed(policy, batch)
+            loss, stats = draft_loss(draft, rec.embeddings(), rec.taps(), logits, batch, ttt_steps, pass_decay)
         loss.backward()
         optimizer.step(loss)
         bar.set_postfix(loss=f"{stats['draft_loss']:.3f}", acc1=f"{stats['draft_acc_pass1']:.3f}", refresh=False)

@@ -22,6 +22,7 @@ Backends for attn_forward / attn_backward, chosen by TITAN_DRAFT_ATTN_BACKEND
                 any device and dtype. Memory O(longest document ** 2) per head.
 auto picks the first of these that can run the given tensors.
 """
+import functools
 import inspect
 import math
 import os
@@ -138,6 +139,18 @@ def attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, c
         return _torch_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
                                       scale)
     return _flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+
+
+def outside_autocast(forward):
+    """For an attention autograd.Function's forward: run it with autocast off. Its primitives pick
+    their arithmetic from the input dtypes (float32 softmax, flash kernels for bf16); under autocast
+    the float32 einsums would silently run in bf16, unlike the backward, which autocast never
+    reaches and which recomputes probabilities from the forward's lse."""
+    @functools.wraps(forward)
+    def wrapper(ctx, q, *args):
+        with torch.autocast(q.device.type, enabled=False):
+            return forward(ctx, q, *args)
+    return wrapper
 
 
 def merge_attn(out_a, lse_a, out_b, lse_b):

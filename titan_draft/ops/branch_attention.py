@@ -14,6 +14,7 @@ from titan_draft.ops.attention_kernels import (
     branch_backward,
     branch_forward,
     merge_attn,
+    outside_autocast,
 )
 
 # The branch and the merge run in float32 on this many query rows at a time, so their
@@ -64,6 +65,7 @@ def _row_chunks(tokens):
 
 class _BranchAttention(torch.autograd.Function):
     @staticmethod
+    @outside_autocast
     def forward(ctx, q, k, v, branch_k, branch_v, cu_seqlens, max_len, scale):
         out, lse = attn_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, True, scale)
         if branch_k is not None and branch_k.shape[0] > 0:

@@ -30,6 +30,7 @@ from titan_draft.ops.attention_kernels import (
     branch_backward,
     branch_forward,
     merge_attn,
+    outside_autocast,
 )
 from titan_draft.ops.branch_attention import _validate as validate_branch_inputs
 from titan_draft.parallel.zigzag import ZigzagLayout
@@ -141,6 +142,7 @@ def _wait(requests):
 
 class _RingBranchAttention(torch.autograd.Function):
     @staticmethod
+    @outside_autocast
     def forward(ctx, q, k, v, branch_k, branch_v, layout, group, scale):
         rank, size = layout.cp_rank, layout.cp_size
         blocks = ring_blocks(layout)
@@ -222,6 +224,7 @@ def gather_rows(x: torch.Tensor, cp_mesh) -> torch.Tensor:
 
 class _GatheredBranchAttention(torch.autograd.Function):
     @staticmethod
+    @outside_autocast
     def forward(ctx, q, k_all, v_all, branch_k, branch_v, layout, scale):
         out = lse = None
         for block in allgather_blocks(layout):

@@ -18,6 +18,7 @@
   exact; RL losses normalised by counts over the loss mesh are multiplied by `loss_scale` to make
   the average the sum they need (context-parallel ranks hold disjoint rows of the same documents).
 """
+import contextlib
 import datetime
 import os
 
@@ -30,6 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from titan_draft import _compat
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.utils import maybe_enable_amp
 
 
 def build_parallel_dims(cfg, world_size: int) -> ParallelDims:
@@ -47,6 +49,18 @@ def init_process_group(cfg) -> None:
         dist.init_process_group(_compat.backend(), timeout=timeout)
     else:
         dist.init_process_group(_compat.backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def training_autocast(param_dtype: str, device: torch.device, dims: ParallelDims | None = None):
+    """The training forwards' mixed precision, by torchtitan's rule: FSDP casts the parameters itself
+    (mixed_precision_param), otherwise autocast to that dtype. On CPU, and for float32, plain float32:
+    CPU autocast is slower than float32, and the flash kernels need bf16/fp16 only on CUDA.
+    The object is reusable: enter it around every training forward."""
+    if device.type == "cpu" or param_dtype == "float32":
+        return contextlib.nullcontext()
+    if dims is None:
+        return torch.autocast(device.type, dtype=TORCH_DTYPE_MAP[param_dtype])
+    return maybe_enable_amp(dims, param_dtype, device.type)
 
 
 def set_collective_timeout(dims: ParallelDims, seconds: int) -> None:
