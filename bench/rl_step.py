@@ -9,6 +9,7 @@ collect_rollouts + train_on. The first --skip steps of each mode are left out of
 
   .venv/bin/python bench/rl_step.py --out outputs/rl_step_cpu.json                # CPU: a few minutes
   python bench/rl_step.py --preset gpu --out outputs/rl_step_gpu.json            # one H200
+  python bench/rl_step.py --preset gpu_long --out outputs/rl_step_gpu_long.json  # one H200, long answers
   .venv/bin/python bench/rl_step.py --out x.json -- --rl.prompts_per_step 64     # any config override
 """
 import argparse
@@ -32,6 +33,7 @@ from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draf
 PRESETS = {
     "cpu": dict(config="train_configs/sort_tiny_cpu.toml", steps=8, skip=1),
     "gpu": dict(config="train_configs/sort_gpu.toml", steps=20, skip=2),
+    "gpu_long": dict(config="train_configs/sort_gpu_long.toml", steps=10, skip=2),
 }
 MODES = ("cotrain", "none")
 
