@@ -1,7 +1,8 @@
 """Composed parallelism on gloo: one co-training step (GRPO loss + draft TTT loss, their backward and
 clipping) on 4 ranks equals the same step in one process — losses and every parameter's gradient.
-Pipeline layouts (PP x FSDP2, CP x PP) run the step through the pipeline schedule: each rank holds
-some stages' gradients (the draft's on the last stage), together they are every gradient."""
+Pipeline layouts (PP x FSDP2 with 1F1B and Interleaved1F1B, CP x PP, TP x PP) run the
+step through the pipeline schedule: each rank holds some stages' gradients (the draft's on the last
+stage), together they are every gradient."""
 import os
 import sys
 
@@ -13,6 +14,7 @@ from distributed import run_distributed  # noqa: E402
 
 from titan_draft import _compat  # noqa: E402,F401
 from titan_draft.config import parse_config  # noqa: E402
+from titan_draft.parallel.pipeline import last_stage_pp_rank  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "train_configs", "sort_tiny_cpu.toml")
 TINY = ["--job.config_file", CONFIG, "--model.flavor", "tiny_gqa", "--training.seq_len", "32",
@@ -154,15 +156,21 @@ def test_train_timeout_from_config_fires_and_names_the_rank():
     assert 2.5 < waited < 11  # the configured 3 s, not the 300 s init timeout
 
 
-PIPELINE_LAYOUTS = {  # 4 ranks each; the 1F1B schedule, one row per microbatch
+PIPELINE_LAYOUTS = {  # 4 ranks each; one row per microbatch; 1F1B unless named
     "pp_x_fsdp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
     "cp_x_pp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"],
+    "tp_x_pp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+    # two stages per rank, loop-placed
+    "interleaved_pp_x_fsdp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+                               "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
 }
 
 
 def _pipeline_worker(rank, world_size, argv):
     """The step, then the rollout engine's weights gathered from the stages (collect_rollouts' path):
     the names that differ from this rank's own updated parts and draft (none, if the gather is exact)."""
+    from torch.distributed.tensor import DTensor
+
     from titan_draft.parallel.pipeline_rl import full_state
 
     metrics, grads, state = cotrain_step(argv, dims_from_world=True, return_state=True)
@@ -175,16 +183,23 @@ def _pipeline_worker(rank, world_size, argv):
     engine = {**{f"policy.{k}": v for k, v in state.engine.policy.state_dict().items()},
               **{f"draft.{k}": v for k, v in state.engine.draft.state_dict().items()}}
     differ = [name for name, value in own.items() if not torch.equal(engine[name], value)]
-    return metrics, grads, differ, len(own)
+    meshes = {name for part in state.pipeline.parts for p in part.parameters() if isinstance(p, DTensor)
+              for name in p.device_mesh.mesh_dim_names}
+    return metrics, grads, differ, len(own), meshes
 
 
 @pytest.mark.parametrize("layout", PIPELINE_LAYOUTS)
 def test_pipeline_layout_equals_single_process(single_process_step, layout):
     results = run_distributed(_pipeline_worker, 4, TINY + PIPELINE_LAYOUTS[layout], timeout=150)
     union = {}
-    for metrics, grads, differ, checked in results:
+    for metrics, grads, differ, checked, meshes in results:
+        if layout == "tp_x_pp":
+            assert "tp" in meshes  # the stages really are tensor-parallel
         assert_same_values(single_process_step, (metrics, grads))
         assert not differ and checked > 0, differ  # the engine got exactly the updated stage weights
         union.update(grads)
     assert union.keys() == single_process_step[1].keys()  # every gradient is on some rank
-    assert all(not any(k.startswith("draft.") for k in r[1]) for r in results[:2])  # pp rank 0: no draft
+    schedule = parse_config(TINY + PIPELINE_LAYOUTS[layout]).parallelism.pipeline_parallel_schedule
+    draft_pp_rank = last_stage_pp_rank(2, schedule)
+    for rank, (_, grads, *_) in enumerate(results):  # pp is the outermost mesh dim: ranks 2 r, 2 r + 1
+        assert any(k.startswith("draft.") for k in grads) == (rank // 2 == draft_pp_rank), rank

@@ -213,11 +213,11 @@ def _validate_pipeline(cfg, dp: int, need) -> None:
     try:
         get_schedule_class(schedule)
     except ValueError:
-        need(False, f"parallelism.pipeline_parallel_schedule: '{schedule}' is unknown; use one of 1F1B, GPipe, "
-             "Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble")
-    need(p.tensor_parallel_degree == 1, f"parallelism.tensor_parallel_degree: {p.tensor_parallel_degree} with "
-         f"pipeline_parallel_degree {pp} is not supported (tensor parallelism inside pipeline stages); set one of "
-         "them to 1")
+        need(False, f"parallelism.pipeline_parallel_schedule: '{schedule}' is unknown; use 1F1B, GPipe or "
+             "Interleaved1F1B")
+    need(schedule not in ("InterleavedZeroBubble", "ZBVZeroBubble"), f"parallelism.pipeline_parallel_schedule: "
+         f"'{schedule}' cannot run the RL step (torch's zero-bubble runtime fails on the reference policy's "
+         "forward-only pass and on FSDP-wrapped stages' weight pass); use 1F1B, GPipe or Interleaved1F1B")
     stages = pipeline_num_stages(pp, schedule)
     layers = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len).n_layers
     need(stages <= layers, f"parallelism.pipeline_parallel_schedule: '{schedule}' on {pp} pipeline ranks needs "
