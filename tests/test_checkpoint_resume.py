@@ -1,5 +1,6 @@
 """Kill the training job (SIGKILL) mid-run and inside a checkpoint save; each resume continues from the
-latest COMPLETE checkpoint, and the RL metrics equal those of an uninterrupted run with the same seed."""
+latest COMPLETE checkpoint, and the RL metrics equal those of an uninterrupted run with the same seed.
+The same holds for a pipeline-parallel job under torchrun (2 gloo ranks, the whole process group killed)."""
 import json
 import os
 import signal
@@ -18,10 +19,27 @@ TINY = ["--job.config_file", os.path.join(ROOT, "train_configs", "sort_tiny_cpu.
 TIMING = {"rollout_time_s", "rollout_tokens_per_s", "train_time_s"}
 
 
-def start(folder, env=None):
-    return subprocess.Popen([sys.executable, "-m", "titan_draft.train", *TINY, "--job.dump_folder", str(folder)],
+PIPELINE = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "4"]
+
+
+def start(folder, env=None, pipeline=False):
+    """The job as one process, or (pipeline) as 2 torchrun ranks in their own process group."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] if pipeline \
+        else [sys.executable]
+    return subprocess.Popen([*launcher, "-m", "titan_draft.train", *TINY, *(PIPELINE if pipeline else []),
+                             "--job.dump_folder", str(folder)],
                             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def kill_after_first_rl_step(run, folder):
+    """SIGKILL the job's whole process group as soon as its first RL step is logged (like a lost machine)."""
+    deadline = time.monotonic() + 240
+    while 1 not in rl_metrics(folder):
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before its first RL step"
+        time.sleep(0.2)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
 
 
 def finish(process, timeout=240):
@@ -50,13 +68,7 @@ def test_sigkill_mid_run_and_inside_save_resume_exactly(tmp_path):
     uninterrupted = start(reference)
 
     # 1. SIGKILL as soon as the first RL step is logged (its checkpoint may or may not be written).
-    run = start(resumed)
-    deadline = time.monotonic() + 240
-    while 1 not in rl_metrics(resumed):
-        assert run.poll() is None and time.monotonic() < deadline, "the run ended before its first RL step"
-        time.sleep(0.2)
-    run.send_signal(signal.SIGKILL)
-    run.wait()
+    kill_after_first_rl_step(start(resumed), resumed)
     killed_at = complete_steps(resumed)[-1]
     assert killed_at >= 2  # SFT (step-1) and warm-up (step-2) were saved
 
@@ -79,3 +91,21 @@ def test_sigkill_mid_run_and_inside_save_resume_exactly(tmp_path):
     for step in want:  # bit-exact: the same computation from restored weights, moments and RNG states
         assert got[step] == want[step], step
     assert complete_steps(resumed) == complete_steps(reference) == [1, 2, 3, 4, 5, 6]
+
+
+def test_pipeline_parallel_job_killed_resumes_exactly(tmp_path):
+    """PP = 2: each rank saves and restores its own stages (the draft on the last), bit for bit."""
+    reference, resumed = tmp_path / "uninterrupted", tmp_path / "killed"
+    uninterrupted = start(reference, pipeline=True)
+    kill_after_first_rl_step(start(resumed, pipeline=True), resumed)
+    assert complete_steps(resumed)[-1] >= 2
+    code, err = finish(start(resumed, pipeline=True))
+    assert code == 0, err[-2000:]
+    code, err = finish(uninterrupted)
+    assert code == 0, err[-2000:]
+    want, got = rl_metrics(reference), rl_metrics(resumed)
+    assert sorted(want) == sorted(got) == [1, 2, 3, 4]
+    for step in want:
+        assert got[step] == want[step], step
+    with open(resumed / "metrics.jsonl") as f:  # the resume restored the warm starts instead of redoing them
+        assert sum(json.loads(line)["phase"] == "sft" for line in f) == 15
