@@ -54,8 +54,9 @@ def init_process_group(cfg) -> None:
 def training_autocast(param_dtype: str, device: torch.device, dims: ParallelDims | None = None):
     """The training forwards' mixed precision, by torchtitan's rule: FSDP casts the parameters itself
     (mixed_precision_param), otherwise autocast to that dtype. On CPU, and for float32, plain float32:
-    CPU autocast is slower than float32, and the flash kernels need bf16/fp16 only on CUDA.
-    The object is reusable: enter it around every training forward."""
+    the CPU runs the math attention path, which has no flash kernel to feed with bf16, and the CPU
+    tests compare against float32/float64 references. The object is reusable: enter it around every
+    training forward."""
     if device.type == "cpu" or param_dtype == "float32":
         return contextlib.nullcontext()
     if dims is None:
