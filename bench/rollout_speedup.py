@@ -32,7 +32,7 @@ from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draf
 
 DEVICE_DEFAULTS = {
     "cpu": dict(flavor="tiny", dtype="float32", num_items=10, k=4, sft_steps=200, sft_lr=3e-3,
-                draft_steps=100, draft_lr=1e-3, min_acceptance=2.0, batch_size=16),
+                draft_steps=100, draft_lr=1e-3, min_acceptance=2.5, batch_size=16),
     # Measured on the H200 (bf16 autocast, batch 64): the medium policy learns the task at SFT lr 3e-4
     # (teacher-forced exact answers 0.86 after 600 steps) and stalls at 1e-3 (0.06).
     "cuda": dict(flavor="medium", dtype="bfloat16", num_items=20, k=5, sft_steps=500, sft_lr=3e-4,
