@@ -17,6 +17,7 @@ from titan_draft.ops import (
 
 # The package re-exports the function under the module's name: fetch the module itself.
 branch_module = importlib.import_module("titan_draft.ops.branch_attention")
+kernels_module = importlib.import_module("titan_draft.ops.attention_kernels")
 F64 = torch.float64
 
 
@@ -68,6 +69,24 @@ def test_branch_attention_matches_reference_float64(passes, q_heads, kv_heads):
     torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, lse_ref.detach(), rtol=1e-12, atol=1e-12)
 
+    grad_out = torch.randn_like(out)
+    for got, want in zip(grads(out, inputs, grad_out), grads(out_ref, inputs, grad_out)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("batch_elements", [1, 300, kernels_module.MATH_BATCH_ELEMENTS])
+def test_math_backend_batches_equal_length_documents_exactly(monkeypatch, batch_elements):
+    """The math path runs documents of one length as a batch (capped at MATH_BATCH_ELEMENTS scores:
+    1 = one document at a time, 300 = a few per batch); every cap gives the dense reference."""
+    monkeypatch.setattr(kernels_module, "MATH_BATCH_ELEMENTS", batch_elements)
+    torch.manual_seed(5)
+    lengths = [3, 5, 3, 1, 3, 5, 1, 7, 3]
+    cu = packed_boundaries(lengths)
+    inputs = branch_inputs(sum(lengths), 4, 2, 2)
+    out, lse = branch_attention(*inputs, cu_seqlens=cu)
+    out_ref, lse_ref = branch_attention_reference(*inputs, cu_seqlens=cu)
+    torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, lse_ref.detach(), rtol=1e-12, atol=1e-12)
     grad_out = torch.randn_like(out)
     for got, want in zip(grads(out, inputs, grad_out), grads(out_ref, inputs, grad_out)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

@@ -18,8 +18,9 @@ Backends for attn_forward / attn_backward, chosen by TITAN_DRAFT_ATTN_BACKEND
 - flash_attn:   the flash-attn package's varlen kernels (CUDA, fp16/bf16).
 - torch_varlen: PyTorch's own FlashAttention-2 varlen kernels, the aten ops that
                 torch.nn.attention.varlen.varlen_attn wraps (CUDA, fp16/bf16).
-- math:         plain PyTorch, one document at a time, softmax in float32 (or float64);
-                any device and dtype. Memory O(longest document ** 2) per head.
+- math:         plain PyTorch, documents of equal length batched, softmax in float32 (or
+                float64); any device and dtype. Memory O(longest document ** 2) per head, and
+                batches of documents capped at MATH_BATCH_ELEMENTS scores.
 auto picks the first of these that can run the given tensors.
 """
 import functools
@@ -225,42 +226,54 @@ def branch_backward(dout, q, branch_k, branch_v, out, lse, scale: float):
 
 
 # ---------------------------------------------------------------------------------------------
-# math backend: plain PyTorch, one document at a time
+# math backend: plain PyTorch, documents of equal length batched together
 # ---------------------------------------------------------------------------------------------
 
+# A batch of documents keeps its scores below this many elements (the longest document alone may not).
+MATH_BATCH_ELEMENTS = 1 << 24
 
-def _document_spans(cu_q, cu_k, causal):
-    """(query rows, key rows) of every document that has both queries and keys."""
+
+def _document_batches(cu_q, cu_k, causal, heads):
+    """Documents that have both queries and keys, batched by (query length, key length): yields the
+    index tensors (query rows [N, Lq], key rows [N, Lk]) of N such documents at a time."""
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    firsts = {}
     for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
         if causal and (q0, q1) != (k0, k1):
             raise ValueError("causal attention needs cu_q == cu_k")
         if q1 > q0 and k1 > k0:
-            yield slice(q0, q1), slice(k0, k1)
+            firsts.setdefault((q1 - q0, k1 - k0), []).append((q0, k0))
+    device = cu_q.device
+    for (len_q, len_k), starts in firsts.items():
+        starts = torch.tensor(starts, device=device)
+        rows_q = starts[:, :1] + torch.arange(len_q, device=device)
+        rows_k = starts[:, 1:] + torch.arange(len_k, device=device)
+        per_batch = max(1, MATH_BATCH_ELEMENTS // (heads * len_q * len_k))
+        for i in range(0, len(starts), per_batch):
+            yield rows_q[i:i + per_batch], rows_k[i:i + per_batch]
 
 
-def _document_probs(q_doc, k_doc, lse_doc, causal, scale):
-    """Scores and probabilities of one document, [Hkv, G, Lq, Lk]; lse_doc None = compute it."""
-    scores = torch.einsum("qhgd,khd->hgqk", _grouped(q_doc, k_doc.shape[1]), k_doc) * scale
+def _document_probs(q_docs, k_docs, lse_docs, causal, scale):
+    """Scores and probabilities of N documents, [N, Hkv, G, Lq, Lk]; lse_docs None = compute it."""
+    scores = torch.einsum("nqhgd,nkhd->nhgqk", _grouped(q_docs, k_docs.shape[2]), k_docs) * scale
     if causal:
-        length = q_doc.shape[0]
-        future = torch.ones(length, length, dtype=torch.bool, device=q_doc.device).triu(1)
+        length = q_docs.shape[1]
+        future = torch.ones(length, length, dtype=torch.bool, device=q_docs.device).triu(1)
         scores = scores.masked_fill(future, -_INF)
-    if lse_doc is None:
-        lse_doc = torch.logsumexp(scores, dim=-1)
-    finite_lse = lse_doc.masked_fill(lse_doc == -_INF, 0.0)
-    return torch.exp(scores - finite_lse.unsqueeze(-1)), lse_doc
+    if lse_docs is None:
+        lse_docs = torch.logsumexp(scores, dim=-1)
+    finite_lse = lse_docs.masked_fill(lse_docs == -_INF, 0.0)
+    return torch.exp(scores - finite_lse.unsqueeze(-1)), lse_docs
 
 
 def _math_forward(q, k, v, cu_q, cu_k, causal, scale):
     dtype = _compute_dtype(q.dtype)
     out, lse = _no_key_result(q)
-    for rows_q, rows_k in _document_spans(cu_q, cu_k, causal):
-        probs, lse_doc = _document_probs(q[rows_q].to(dtype), k[rows_k].to(dtype), None, causal,
-                                         scale)
-        out_doc = torch.einsum("hgqk,khd->qhgd", probs, v[rows_k].to(dtype))
-        out[rows_q] = out_doc.flatten(1, 2).to(q.dtype)
-        lse[:, rows_q] = lse_doc.flatten(0, 1)
+    for rows_q, rows_k in _document_batches(cu_q, cu_k, causal, q.shape[1]):
+        probs, lse_docs = _document_probs(q[rows_q].to(dtype), k[rows_k].to(dtype), None, causal, scale)
+        out_docs = torch.einsum("nhgqk,nkhd->nqhgd", probs, v[rows_k].to(dtype))
+        out[rows_q] = out_docs.flatten(2, 3).to(q.dtype)
+        lse[:, rows_q] = lse_docs.flatten(1, 2).transpose(0, 1)  # [N, Hq, Lq] -> [Hq, N, Lq]
     return out, lse
 
 
@@ -270,17 +283,17 @@ def _math_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
-    for rows_q, rows_k in _document_spans(cu_q, cu_k, causal):
-        q_doc, k_doc, v_doc = q[rows_q].to(dtype), k[rows_k].to(dtype), v[rows_k].to(dtype)
-        lse_doc = lse[:, rows_q].to(dtype).unflatten(0, (kv_heads, -1))
-        probs, _ = _document_probs(q_doc, k_doc, lse_doc, causal, scale)
-        dout_doc = _grouped(dout[rows_q].to(dtype), kv_heads)
-        row_delta = (dout_doc * _grouped(out[rows_q].to(dtype), kv_heads)).sum(-1)  # [Lq, Hkv, G]
-        dprobs = torch.einsum("qhgd,khd->hgqk", dout_doc, v_doc)
-        dscores = probs * (dprobs - row_delta.permute(1, 2, 0).unsqueeze(-1)) * scale
-        dq[rows_q] = torch.einsum("hgqk,khd->qhgd", dscores, k_doc).flatten(1, 2)
-        dk[rows_k] = torch.einsum("hgqk,qhgd->khd", dscores, _grouped(q_doc, kv_heads))
-        dv[rows_k] = torch.einsum("hgqk,qhgd->khd", probs, dout_doc)
+    for rows_q, rows_k in _document_batches(cu_q, cu_k, causal, q.shape[1]):
+        q_docs, k_docs, v_docs = q[rows_q].to(dtype), k[rows_k].to(dtype), v[rows_k].to(dtype)
+        lse_docs = lse[:, rows_q].to(dtype).transpose(0, 1).unflatten(1, (kv_heads, -1))  # [N, Hkv, G, Lq]
+        probs, _ = _document_probs(q_docs, k_docs, lse_docs, causal, scale)
+        dout_docs = _grouped(dout[rows_q].to(dtype), kv_heads)
+        row_delta = (dout_docs * _grouped(out[rows_q].to(dtype), kv_heads)).sum(-1)  # [N, Lq, Hkv, G]
+        dprobs = torch.einsum("nqhgd,nkhd->nhgqk", dout_docs, v_docs)
+        dscores = probs * (dprobs - row_delta.permute(0, 2, 3, 1).unsqueeze(-1)) * scale
+        dq[rows_q] = torch.einsum("nhgqk,nkhd->nqhgd", dscores, k_docs).flatten(2, 3)
+        dk[rows_k] = torch.einsum("nhgqk,nqhgd->nkhd", dscores, _grouped(q_docs, kv_heads))
+        dv[rows_k] = torch.einsum("nhgqk,nqhgd->nkhd", probs, dout_docs)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
