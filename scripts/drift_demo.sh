@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The drift demonstration: one job run three times, same config and seed, differing only in
 # [draft] mode (cotrain / frozen / none), then notebooks/acceptance_vs_step.ipynb on the three runs.
-#   scripts/drift_demo.sh                                   # CPU default: ~15 minutes on 2 idle cores
+#   scripts/drift_demo.sh                                   # CPU default: three default jobs, ~3 minutes each
 #   CONFIG_FILE=train_configs/sort_gpu.toml RUNS_DIR=outputs/drift_gpu OUT_DIR=outputs/drift_gpu scripts/drift_demo.sh
 # Extra arguments are config overrides applied to every run (e.g. --debug.seed 1).
 # MODES="frozen" runs a subset (the notebook plots whatever runs RUNS_DIR holds); NOTEBOOK=0 skips it.
