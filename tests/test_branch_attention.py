@@ -157,7 +157,6 @@ def test_low_precision_close_to_float64_reference(dtype, out_tol, grad_tol):
         assert relative_error(g, w) < grad_tol, name
 
 
-
 def test_autocast_leaves_branch_attention_unchanged():
     """Under autocast (the training forwards on GPU) the op computes exactly as outside it: its
     float32 softmax arithmetic must not be downcast, or the backward's recomputed probabilities

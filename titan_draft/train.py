@@ -35,13 +35,12 @@ from titan_draft.parallel import apply_context_parallel
 from titan_draft.parallel.parallelize import (build_parallel_dims, cp_mesh, describe_rank, dp_rank_and_degree,
                                               init_process_group, loss_group, loss_scale, mean_over_dp,
                                               parallelize_draft, parallelize_policy, set_collective_timeout,
-                                              sum_over_dp, training_autocast)
+                                              sum_over_dp, compute_dtype, training_autocast)
 from titan_draft.parallel.pipeline_rl import PipelinedPolicy
 from titan_draft.rollout import RolloutEngine
 from titan_draft.task import SortTask
 from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draft
 from torchtitan.components.checkpoint import ModelWrapper
-from torchtitan.config import TORCH_DTYPE_MAP
 
 
 def build_models(cfg, device):
@@ -81,7 +80,7 @@ class RLState:
         # Rollouts run in the training forwards' precision: bf16 on GPU by default, float32 on CPU.
         engine = RolloutEngine(args, draft.args if cfg.draft.mode != "none" else None, layers,
                                max_batch_size=rl.prompts_per_step * rl.group_size, max_seq_len=cfg.training.seq_len,
-                               device=device, dtype=torch.float32 if device.type == "cpu" else TORCH_DTYPE_MAP[precision])
+                               device=device, dtype=compute_dtype(precision, device))
         amp = training_autocast(precision, device, dims)
         if dims is not None and dims.pp_enabled:  # the warm-started policy becomes this rank's stages
             pipeline = PipelinedPolicy(cfg, policy, draft, layers, dims)

@@ -6,7 +6,6 @@ from titan_draft.ops.attention_kernels import (
     branch_backward,
     branch_forward,
     merge_attn,
-    outside_autocast,
 )
 from titan_draft.ops.branch_attention import branch_attention, branch_attention_reference
 
@@ -19,5 +18,4 @@ __all__ = [
     "branch_backward",
     "branch_forward",
     "merge_attn",
-    "outside_autocast",
 ]

@@ -51,16 +51,22 @@ def init_process_group(cfg) -> None:
         dist.init_process_group(_compat.backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
+def compute_dtype(param_dtype: str, device: torch.device) -> torch.dtype:
+    """What training forwards and rollouts compute in: [training] mixed_precision_param on GPUs, float32
+    on CPU (the CPU runs the math attention path, which has no flash kernel to feed with bf16, and the
+    CPU tests compare against float32/float64 references)."""
+    return torch.float32 if device.type == "cpu" else TORCH_DTYPE_MAP[param_dtype]
+
+
 def training_autocast(param_dtype: str, device: torch.device, dims: ParallelDims | None = None):
-    """The training forwards' mixed precision, by torchtitan's rule: FSDP casts the parameters itself
-    (mixed_precision_param), otherwise autocast to that dtype. On CPU, and for float32, plain float32:
-    the CPU runs the math attention path, which has no flash kernel to feed with bf16, and the CPU
-    tests compare against float32/float64 references. The object is reusable: enter it around every
-    training forward."""
-    if device.type == "cpu" or param_dtype == "float32":
+    """The training forwards' mixed precision, by torchtitan's rule: FSDP casts the parameters itself,
+    otherwise autocast to compute_dtype; nothing to do when that is float32. The object is reusable:
+    enter it around every training forward."""
+    dtype = compute_dtype(param_dtype, device)
+    if dtype == torch.float32:
         return contextlib.nullcontext()
     if dims is None:
-        return torch.autocast(device.type, dtype=TORCH_DTYPE_MAP[param_dtype])
+        return torch.autocast(device.type, dtype=dtype)
     return maybe_enable_amp(dims, param_dtype, device.type)
 
 
