@@ -383,3 +383,14 @@ def test_cuda_branch_attention_matches_math(monkeypatch, backend):
         results[name] = (out, lse, *grads(out, inputs, grad_out))
     for got, want in zip(results[backend], results["math"]):
         assert relative_error(got, want) < 2e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("passes", [1, 2, 5])
+def test_cuda_fused_branch_matches_reference_float64(passes):
+    """On a GPU the branch and its merge run through torch.compile (attention_kernels._fused_on_gpu):
+    still the dense reference in float64, GQA, odd packed documents."""
+    torch.manual_seed(passes)
+    lengths = random_odd_lengths(5, torch.Generator().manual_seed(10 + passes))
+    assert_matches_reference_float64(branch_inputs(sum(lengths), 4, 2, passes, device="cuda"),
+                                     packed_boundaries(lengths, "cuda"))

@@ -24,6 +24,7 @@ Backends for attn_forward / attn_backward, chosen by TITAN_DRAFT_ATTN_BACKEND
 auto picks the first of these that can run the given tensors.
 """
 import functools
+import importlib.util
 import inspect
 import math
 import os
@@ -176,22 +177,40 @@ def merge_attn(out_a, lse_a, out_b, lse_b):
 # ---------------------------------------------------------------------------------------------
 
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _fused_on_gpu(function):
+    """`function`, run through torch.compile (dynamic shapes) when its first argument is on a GPU
+    and Triton is there, else eagerly. The branch is a handful of products and sums over P keys
+    per row: eagerly each step writes a float32 [P, T, Hq, D]-sized temporary, compiled they
+    fuse into a few kernels that read the bf16 inputs once (bench/branch_attention.py)."""
+    compiled = torch.compile(function, dynamic=True)
+
+    @functools.wraps(function)
+    def dispatch(first, *args):
+        if first.is_cuda and _HAS_TRITON:
+            return compiled(first, *args)
+        return function(first, *args)
+    return dispatch
+
+
 def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[..., Hq, D] -> [..., Hkv, G, D]: query heads grouped by the kv head they read."""
     return x.unflatten(-2, (kv_heads, -1))
 
 
-def _branch_probs(q, branch_k, lse, scale):
-    """Scores of the diagonal keys and their probabilities exp(s - lse): both [P, T, Hkv, G]."""
-    dtype = _compute_dtype(q.dtype)
-    q_grouped = _grouped(q.to(dtype), branch_k.shape[2])
-    scores = torch.einsum("thgd,pthd->pthg", q_grouped, branch_k.to(dtype)) * scale
-    if lse is None:
-        lse = torch.logsumexp(scores, dim=0)
-    else:
-        lse = lse.to(dtype).T.unflatten(-1, (branch_k.shape[2], -1))
-    finite_lse = lse.masked_fill(lse == -_INF, 0.0)
-    return torch.exp(scores - finite_lse), lse
+def _branch_scores(q, branch_k, scale):
+    """Scores of the P diagonal keys, [P, T, Hkv, G], in the compute dtype. Written as a product
+    and a sum, not an einsum, so that torch.compile fuses it instead of calling a batched GEMM
+    with matrices of one row."""
+    q_grouped = _grouped(q.to(_compute_dtype(q.dtype)), branch_k.shape[2])
+    return (q_grouped.unsqueeze(0) * branch_k.to(q_grouped.dtype).unsqueeze(3)).sum(-1) * scale
+
+
+def _probs(scores, lse):
+    """exp(scores - lse); a row whose lse is -inf (no key anywhere) gets probability 0."""
+    return torch.exp(scores - lse.masked_fill(lse == -_INF, 0.0))
 
 
 def branch_forward(q, branch_k, branch_v, scale: float):
@@ -201,28 +220,40 @@ def branch_forward(q, branch_k, branch_v, scale: float):
     for float64 inputs): the branch is only ever merged with the trunk, which needs that
     precision. P = 0 gives out = 0, lse = -inf.
     """
-    probs, lse = _branch_probs(q, branch_k, None, scale)
-    out = torch.einsum("pthg,pthd->thgd", probs, branch_v.to(probs.dtype))
+    scores = _branch_scores(q, branch_k, scale)
+    lse = torch.logsumexp(scores, dim=0)  # [T, Hkv, G]
+    probs = _probs(scores, lse)
+    out = (probs.unsqueeze(-1) * branch_v.to(probs.dtype).unsqueeze(3)).sum(0)
     return out.flatten(1, 2), lse.flatten(1, 2).T.contiguous()
 
 
+@_fused_on_gpu
+def add_branch(out, lse, q, branch_k, branch_v, scale: float):
+    """The trunk's (out, lse) with the branch merged in, as one fused step on GPU:
+    merge_attn(out, lse, *branch_forward(q, branch_k, branch_v, scale)), with out returned in
+    the trunk out's dtype and lse in float32 (float64)."""
+    merged_out, merged_lse = merge_attn(out, lse, *branch_forward(q, branch_k, branch_v, scale))
+    return merged_out.to(out.dtype), merged_lse
+
+
+@_fused_on_gpu
 def branch_backward(dout, q, branch_k, branch_v, out, lse, scale: float):
     """Closed-form gradients (dq, dbranch_k, dbranch_v) of the branch part, given the FINAL
     out/lse: w = exp(s - lse); dv_b = w dout; ds = w (<dout, v_b> - <dout, out>);
     dq = scale sum_p ds k_b; dk_b = scale ds q.
     """
-    kv_heads, branch_dtype = branch_k.shape[2], branch_k.dtype
-    probs, _ = _branch_probs(q, branch_k, lse, scale)
-    dtype = probs.dtype
-    dout_g = _grouped(dout.to(dtype), kv_heads)
-    q_g = _grouped(q.to(dtype), kv_heads)
-    row_delta = (dout_g * _grouped(out.to(dtype), kv_heads)).sum(-1)  # [T, Hkv, G]
-    dprobs = torch.einsum("thgd,pthd->pthg", dout_g, branch_v.to(dtype))
-    dscores = probs * (dprobs - row_delta) * scale
-    dq = torch.einsum("pthg,pthd->thgd", dscores, branch_k.to(dtype)).flatten(1, 2)
-    dbranch_k = torch.einsum("pthg,thgd->pthd", dscores, q_g)
-    dbranch_v = torch.einsum("pthg,thgd->pthd", probs, dout_g)
-    return dq.to(q.dtype), dbranch_k.to(branch_dtype), dbranch_v.to(branch_v.dtype)
+    kv_heads = branch_k.shape[2]
+    scores = _branch_scores(q, branch_k, scale)
+    dtype = scores.dtype
+    probs = _probs(scores, lse.to(dtype).T.unflatten(-1, (kv_heads, -1)))  # [P, T, Hkv, G]
+    dout_g = _grouped(dout.to(dtype), kv_heads).unsqueeze(0)  # [1, T, Hkv, G, D]
+    row_delta = (dout_g * _grouped(out.to(dtype), kv_heads)).sum(-1)  # [1, T, Hkv, G]
+    dprobs = (dout_g * branch_v.to(dtype).unsqueeze(3)).sum(-1)
+    dscores = (probs * (dprobs - row_delta) * scale).unsqueeze(-1)  # [P, T, Hkv, G, 1]
+    dq = (dscores * branch_k.to(dtype).unsqueeze(3)).sum(0).flatten(1, 2)
+    dbranch_k = (dscores * _grouped(q.to(dtype), kv_heads).unsqueeze(0)).sum(3)
+    dbranch_v = (probs.unsqueeze(-1) * dout_g).sum(3)
+    return dq.to(q.dtype), dbranch_k.to(branch_k.dtype), dbranch_v.to(branch_v.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,11 +9,10 @@ thing written densely, to check it against.
 import torch
 
 from titan_draft.ops.attention_kernels import (
+    add_branch,
     attn_backward,
     attn_forward,
     branch_backward,
-    branch_forward,
-    merge_attn,
     outside_autocast,
 )
 
@@ -70,11 +69,8 @@ class _BranchAttention(torch.autograd.Function):
         out, lse = attn_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, True, scale)
         if branch_k is not None and branch_k.shape[0] > 0:
             for rows in _row_chunks(q.shape[0]):
-                out_branch, lse_branch = branch_forward(q[rows], branch_k[:, rows],
-                                                        branch_v[:, rows], scale)
-                out_rows, lse_rows = merge_attn(out[rows], lse[:, rows], out_branch, lse_branch)
-                out[rows] = out_rows.to(out.dtype)
-                lse[:, rows] = lse_rows
+                out[rows], lse[:, rows] = add_branch(out[rows], lse[:, rows], q[rows],
+                                                     branch_k[:, rows], branch_v[:, rows], scale)
         ctx.save_for_backward(q, k, v, branch_k, branch_v, cu_seqlens, out, lse)
         ctx.max_len, ctx.scale = max_len, scale
         ctx.mark_non_differentiable(lse)

@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from titan_draft.ops.attention_kernels import (
+    add_branch,
     attn_backward,
     attn_forward,
     branch_backward,
-    branch_forward,
     merge_attn,
     outside_autocast,
 )
@@ -91,7 +91,7 @@ def _has_branch(branch_k):
 def _finish_forward(ctx, q, k, v, branch_k, branch_v, out, lse, scale):
     """Merge the branch as one more LSE step; save what backward needs; return (out, lse)."""
     if _has_branch(branch_k):
-        out, lse = merge_attn(out, lse, *branch_forward(q, branch_k, branch_v, scale))
+        out, lse = add_branch(out, lse, q, branch_k, branch_v, scale)
     out = out.to(q.dtype)
     ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
     ctx.scale = scale
