@@ -145,9 +145,9 @@ def attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, c
 
 def outside_autocast(forward):
     """For an attention autograd.Function's forward: run it with autocast off. Its primitives pick
-    their arithmetic from the input dtypes (float32 softmax, flash kernels for bf16); under autocast
-    the float32 einsums would silently run in bf16, unlike the backward, which autocast never
-    reaches and which recomputes probabilities from the forward's lse."""
+    their arithmetic from the input dtypes (float32 softmax, flash kernels for bf16); under
+    autocast the math backend's float32 einsums would silently run in bf16, unlike the backward,
+    which autocast never reaches and which recomputes probabilities from the forward's lse."""
     @functools.wraps(forward)
     def wrapper(ctx, q, *args):
         with torch.autocast(q.device.type, enabled=False):
