@@ -394,3 +394,19 @@ def test_cuda_fused_branch_matches_reference_float64(passes):
     lengths = random_odd_lengths(5, torch.Generator().manual_seed(10 + passes))
     assert_matches_reference_float64(branch_inputs(sum(lengths), 4, 2, passes, device="cuda"),
                                      packed_boundaries(lengths, "cuda"))
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+def test_fused_branch_functions_trace_as_one_graph(passes):
+    """What _fused_on_gpu hands to torch.compile traces without graph breaks at dynamic shapes
+    (dynamo's eager backend, so this runs on CPU in seconds); the CUDA test above checks the
+    compiled kernels' numbers."""
+    torch.manual_seed(passes)
+    q, _, _, branch_k, branch_v = (x.detach() for x in branch_inputs(13, 4, 2, passes))
+    out, lse = torch.randn_like(q), torch.randn(4, 13, dtype=F64)
+    lse[:, 0] = -float("inf")
+    for function, args in ((kernels_module.add_branch, (out, lse, q, branch_k, branch_v, 0.3)),
+                           (kernels_module.branch_backward, (out, q, branch_k, branch_v, out, lse, 0.3))):
+        traced = torch.compile(function.__wrapped__, dynamic=True, fullgraph=True, backend="eager")
+        for got, want in zip(traced(*args), function(*args)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

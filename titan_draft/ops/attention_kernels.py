@@ -184,13 +184,16 @@ def _fused_on_gpu(function):
     """`function`, run through torch.compile (dynamic shapes) when its first argument is on a GPU
     and Triton is there, else eagerly. The branch is a handful of products and sums over P keys
     per row: eagerly each step writes a float32 [P, T, Hq, D]-sized temporary, compiled they
-    fuse into a few kernels that read the bf16 inputs once (bench/branch_attention.py)."""
-    compiled = torch.compile(function, dynamic=True)
+    fuse into a few kernels that read the bf16 inputs once (bench/branch_attention.py).
+    torch.compile is called at the first GPU call: importing it costs seconds a CPU run never needs."""
+    @functools.cache
+    def compiled():
+        return torch.compile(function, dynamic=True)
 
     @functools.wraps(function)
     def dispatch(first, *args):
         if first.is_cuda and _HAS_TRITON:
-            return compiled(first, *args)
+            return compiled()(first, *args)
         return function(first, *args)
     return dispatch
 
