@@ -405,8 +405,10 @@ def test_fused_branch_functions_trace_as_one_graph(passes):
     q, _, _, branch_k, branch_v = (x.detach() for x in branch_inputs(13, 4, 2, passes))
     out, lse = torch.randn_like(q), torch.randn(4, 13, dtype=F64)
     lse[:, 0] = -float("inf")
+    dout = torch.randn_like(q)
     for function, args in ((kernels_module.add_branch, (out, lse, q, branch_k, branch_v, 0.3)),
-                           (kernels_module.branch_backward, (out, q, branch_k, branch_v, out, lse, 0.3))):
+                           (kernels_module.branch_backward,
+                            (dout, q, branch_k, branch_v, out, lse, 0.3))):
         traced = torch.compile(function.__wrapped__, dynamic=True, fullgraph=True, backend="eager")
         for got, want in zip(traced(*args), function(*args)):
             torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -185,7 +185,8 @@ def _fused_on_gpu(function):
     and Triton is there, else eagerly. The branch is a handful of products and sums over P keys
     per row: eagerly each step writes a float32 [P, T, Hq, D]-sized temporary, compiled they
     fuse into a few kernels that read the bf16 inputs once (bench/branch_attention.py).
-    torch.compile is called at the first GPU call: importing it costs seconds a CPU run never needs."""
+    torch.compile is called at the first GPU call: importing it costs seconds that a CPU run
+    never needs."""
     @functools.cache
     def compiled():
         return torch.compile(function, dynamic=True)
