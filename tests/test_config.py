@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
+import torch
+
 from titan_draft.config import ConfigError, parse_config, validate
+from titan_draft.models import build_models, tap_layers
 from titan_draft.validate import check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,25 +34,25 @@ def cfg_with(base_cfg, **changes):
     return cfg
 
 
-def expect_error(cfg, key, world_size=1, n_layers=N_LAYERS, vocab=VOCAB):
+def expect_error(cfg, key, world_size=1):
     with pytest.raises(ConfigError) as err:
-        validate(cfg, world_size, n_layers, vocab)
+        validate(cfg, world_size)
     message = str(err.value)
     assert message.startswith(key), message
     assert "\n" not in message
     return message
 
 
-def passes_rule(cfg, key, world_size=1, n_layers=N_LAYERS, vocab=VOCAB):
+def passes_rule(cfg, key, world_size=1):
     """The rule named `key` accepts cfg (a later rule, e.g. what titan_draft.train supports yet, may not)."""
     try:
-        validate(cfg, world_size, n_layers, vocab)
+        validate(cfg, world_size)
     except ConfigError as err:
         assert not str(err).startswith(key), str(err)
 
 
 def test_base_config_is_valid(base_cfg):
-    validate(base_cfg, 1, N_LAYERS, VOCAB)
+    validate(base_cfg, 1)
 
 
 @pytest.mark.parametrize("layers", [[0, 1, 4], [-1, 1, 2]])
@@ -65,9 +68,14 @@ def test_tap_layers_distinct_and_ascending(base_cfg, layers):
 
 
 def test_default_tap_layers_used_when_empty(base_cfg):
-    # empty = (1, L//2-1, L-4); for 8 layers that is [1, 3, 4]; for 4 layers {1, 1, 0} -> [0, 1]
-    validate(cfg_with(base_cfg, draft__tap_layers=[]), 1, 8, VOCAB)
-    validate(cfg_with(base_cfg, draft__tap_layers=[]), 1, N_LAYERS, VOCAB)
+    # empty = (1, L//2-1, L-4) as in EAGLE-3: for 8 layers [1, 3, 4]; for 4 layers {1, 1, 0} -> [0, 1]
+    cfg = cfg_with(base_cfg, draft__tap_layers=[])
+    assert tap_layers(cfg.draft, 8) == [1, 3, 4] and tap_layers(cfg.draft, 32) == [1, 15, 28]
+    assert tap_layers(cfg.draft, N_LAYERS) == [0, 1]
+    validate(cfg, 1)
+    _, _, draft, layers = build_models(cfg, torch.device("cpu"))  # what the job builds with them
+    assert layers == [0, 1] and draft.args.n_taps == 2
+    assert tap_layers(cfg_with(base_cfg, draft__tap_layers=[0, 2]).draft, 8) == [0, 2]  # explicit ones win
 
 
 @pytest.mark.parametrize("steps", [0, -2])
@@ -77,8 +85,8 @@ def test_ttt_steps_at_least_one(base_cfg, steps):
 
 def test_draft_vocab_not_larger_than_policy(base_cfg):
     expect_error(cfg_with(base_cfg, draft__vocab_size=VOCAB + 1), "draft.vocab_size:")
-    validate(cfg_with(base_cfg, draft__vocab_size=VOCAB), 1, N_LAYERS, VOCAB)  # equal is fine
-    validate(cfg_with(base_cfg, draft__vocab_size=0), 1, N_LAYERS, VOCAB)  # 0 = all
+    validate(cfg_with(base_cfg, draft__vocab_size=VOCAB), 1)  # equal is fine
+    validate(cfg_with(base_cfg, draft__vocab_size=0), 1)  # 0 = all
 
 
 def test_pass_decay_positive(base_cfg):
@@ -104,7 +112,7 @@ def test_num_speculative_tokens_at_least_one(base_cfg):
 
 def test_temperature_not_negative(base_cfg):
     expect_error(cfg_with(base_cfg, rollout__temperature=-0.1), "rollout.temperature:")
-    validate(cfg_with(base_cfg, rollout__temperature=0.0), 1, N_LAYERS, VOCAB)  # greedy is fine
+    validate(cfg_with(base_cfg, rollout__temperature=0.0), 1)  # greedy is fine
 
 
 @pytest.mark.parametrize("top_p", [0.0, -0.5, 1.01])
@@ -116,7 +124,7 @@ def test_degrees_must_divide_world_size(base_cfg):
     cfg = cfg_with(base_cfg, parallelism__tensor_parallel_degree=2, parallelism__data_parallel_replicate_degree=2)
     msg = expect_error(cfg, "parallelism:", world_size=6)
     assert "= 4 does not divide the world size 6" in msg
-    validate(cfg, 8, N_LAYERS, VOCAB)  # 8 = 2 (shard, inferred from -1) x replicate 2 x tp 2
+    validate(cfg, 8)  # 8 = 2 (shard, inferred from -1) x replicate 2 x tp 2
 
 
 def test_degree_at_least_one(base_cfg):
@@ -128,7 +136,7 @@ def test_shard_degree_must_match_world_size(base_cfg):
     cfg = cfg_with(base_cfg, parallelism__data_parallel_shard_degree=3, parallelism__tensor_parallel_degree=2)
     msg = expect_error(cfg, "parallelism.data_parallel_shard_degree:", world_size=4)
     assert "set it to 2" in msg
-    validate(cfg_with(cfg, parallelism__data_parallel_shard_degree=2), 4, N_LAYERS, VOCAB)
+    validate(cfg_with(cfg, parallelism__data_parallel_shard_degree=2), 4)
 
 
 def test_seq_len_divisible_by_twice_cp(base_cfg):
@@ -171,4 +179,4 @@ def test_cli_overrides_take_precedence_over_toml():
     assert cfg.draft.ttt_steps == 5
     assert cfg.rollout.temperature == 0.5
     assert cfg.draft.vocab_size == base.draft.vocab_size == 20  # untouched keys keep the TOML's value
-    validate(cfg, 1, N_LAYERS, VOCAB)
+    validate(cfg, 1)

@@ -142,7 +142,7 @@ def test_cp_branch_attention_in_bfloat16(results, mode):
 def test_halo_shift_matches_document_shift(results):
     # The reference runs here, on the unpadded rows: shifted values, gradients and bool masks of
     # HaloShift, unsharded, must equal DocumentShift's (zeros past every real document end).
-    from titan_draft.models.draft import DocumentShift
+    from titan_draft.packing import DocumentShift
 
     lengths, cu, real_rows, x, grads = _halo_case(len(results), HALO_SEED)
     reference_shift = DocumentShift(cu_seqlens_from_lengths(lengths))
@@ -218,10 +218,13 @@ def test_bad_arguments_raise_one_clear_error(kwargs, message):
         cp_branch_attention(q, k, k, **call)
 
 
-def test_apply_context_parallel_rejects_unknown_mode():
+def test_context_parallel_rejects_unknown_mode():
+    from titan_draft.models.policy import build_policy
     from titan_draft.packing import pack
-    from titan_draft.parallel import apply_context_parallel
+    from titan_draft.parallel import apply_context_parallel, shard_batch_for_cp
 
     batch = pack([torch.arange(5)], [torch.ones(5)])
     with pytest.raises(ValueError, match="draft.cp_mode: 'zigzag' is not supported"):
-        apply_context_parallel(None, batch, _FakeMesh(), "zigzag")
+        shard_batch_for_cp(batch, _FakeMesh(), "zigzag")
+    with pytest.raises(ValueError, match="draft.cp_mode: 'zigzag' is not supported"):
+        apply_context_parallel(build_policy("llama3", "tiny", 16), _FakeMesh(), "zigzag")

@@ -1,22 +1,24 @@
 """A co-training step under context parallelism equals the same step at CP = 1.
 
 The policy (torchtitan llama3, GQA, float64) runs packed documents of odd lengths through ring or
-all-gather attention on zigzag shards; its cross-entropy on loss_mask rows and the draft's TTT
-loss (EagleDraft.ttt_forward with HaloShift + cp_branch_attention) are normalised by counts over
-the CP group. Losses, logits and every parameter gradient (summed over the CP group, as FSDP over
+all-gather attention on zigzag shards (apply_context_parallel once, then a ContextShard per batch);
+its cross-entropy on loss_mask rows and the draft's TTT loss (cotrain.draft_loss: the shard's
+HaloShift + cp_branch_attention) are normalised by counts over the CP group. Losses, logits and every parameter gradient (summed over the CP group, as FSDP over
 dp_shard x cp does) must equal the CP = 1 step on the unpadded batch.
 """
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from titan_draft.cotrain import draft_loss, local_draft_inputs
+from titan_draft.cotrain import CoTrainSpec, draft_loss
 from titan_draft.models.draft import EagleDraft, draft_args_for
-from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, install_packed_attention, model_args
+from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.packing import pack
-from titan_draft.parallel import apply_context_parallel, global_count, pad_documents, zigzag_shard
+from titan_draft.parallel import apply_context_parallel, global_count, pad_documents, shard_batch_for_cp, zigzag_shard
 from titan_draft.parallel.cp_attention import MODES
 
 FLAVOR, MAX_LEN, LAYERS, TTT_STEPS, PASS_DECAY = "tiny_gqa", 128, [0, 1, 3], 3, 0.8
@@ -42,8 +44,9 @@ def _batch():
     return pack(sequences, masks)
 
 
-def _step(policy, draft, batch, shift, attn_fn, group):
+def _step(policy, draft, batch, group):
     """Policy cross-entropy and draft TTT loss (both normalised over `group`), backward; logits."""
+    shift = batch.shift(TTT_STEPS)
     with TapRecorder(policy, LAYERS) as recorder:
         logits = forward_packed(policy, batch)
     mask = batch.loss_mask
@@ -51,8 +54,8 @@ def _step(policy, draft, batch, shift, attn_fn, group):
     if group is not None:
         dist.all_reduce(count, group=group)
     policy_loss = F.cross_entropy(logits[mask], shift(batch.tokens, 1)[mask], reduction="sum") / count
-    ttt, _ = draft_loss(draft, recorder.embeddings(), recorder.taps(), logits, batch, TTT_STEPS, PASS_DECAY,
-                        shift, attn_fn, group=group)
+    spec = CoTrainSpec(LAYERS, ttt_steps=TTT_STEPS, pass_decay=PASS_DECAY)
+    ttt, _ = draft_loss(draft, recorder.embeddings(), recorder.taps(), logits, batch, spec, group=group)
     (policy_loss + ttt).backward()
     return policy_loss.detach(), ttt.detach(), logits.detach()
 
@@ -70,8 +73,7 @@ def _training_errors(rank, world_size):
     policy, draft = _models()
     batch = _batch()
 
-    shift, attn_fn = local_draft_inputs(batch)
-    ref_policy_loss, ref_ttt, ref_logits = _step(policy, draft, batch, shift, attn_fn, None)
+    ref_policy_loss, ref_ttt, ref_logits = _step(policy, draft, batch, None)
     ref_grads = _grads(policy, draft)
     padded, real_rows = pad_documents(batch, 2 * world_size)
     ref_logits_padded = torch.zeros(padded.num_tokens, ref_logits.shape[1], dtype=ref_logits.dtype)
@@ -83,14 +85,15 @@ def _training_errors(rank, world_size):
 
     errors = {}
     for mode in MODES:
-        policy.zero_grad(set_to_none=True)
+        cp_policy = copy.deepcopy(policy)
+        apply_context_parallel(cp_policy, mesh, mode)  # once, like TP and FSDP
+        cp_policy.zero_grad(set_to_none=True)
         draft.zero_grad(set_to_none=True)
-        local, shift, attn_fn = apply_context_parallel(policy, batch, mesh, mode, max_shift=TTT_STEPS)
-        policy_loss, ttt, logits = _step(policy, draft, local, shift, attn_fn, group)
-        install_packed_attention(policy)  # back to single-process attention
+        local = shard_batch_for_cp(batch, mesh, mode)
+        policy_loss, ttt, logits = _step(cp_policy, draft, local, group)
         losses = torch.stack([policy_loss, ttt])
         dist.all_reduce(losses, group=group)
-        grads = _grads(policy, draft)
+        grads = _grads(cp_policy, draft)
         for g in grads.values():
             dist.all_reduce(g, group=group)
         assert grads.keys() == ref_grads.keys()

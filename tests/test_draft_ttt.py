@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from titan_draft.cotrain import draft_loss
-from titan_draft.models.draft import DocumentShift, DraftArgs, EagleDraft, build_draft_vocab, ttt_loss
+from titan_draft.cotrain import CoTrainSpec, draft_loss, draft_metrics
+from titan_draft.models.draft import DraftArgs, EagleDraft, build_draft_vocab, ttt_loss
 from titan_draft.ops import branch_attention
-from titan_draft.packing import pack
+from titan_draft.packing import DocumentShift, pack
 
 F64 = torch.float64
 DIM, N_HEADS, N_KV_HEADS, N_TAPS = 32, 4, 2, 3
@@ -174,7 +174,8 @@ def test_cotrain_draft_loss_is_the_same_loss():
     emb, taps, teacher, loss_mask = inputs(7)
     tokens = torch.zeros(sum(LENGTHS), dtype=torch.long)
     batch = pack(list(tokens.split(LENGTHS)), list(loss_mask.split(LENGTHS)))
-    loss, metrics = draft_loss(draft, emb, taps, teacher, batch, 3, PASS_DECAY)
+    loss, per_pass = draft_loss(draft, emb, taps, teacher, batch, CoTrainSpec([0], ttt_steps=3, pass_decay=PASS_DECAY))
+    metrics = draft_metrics(per_pass)
     got = torch.autograd.grad(loss, list(draft.parameters()))
     ref, _ = naive_ttt_loss(draft, emb, taps, teacher, loss_mask, LENGTHS, 3, PASS_DECAY)
     want = torch.autograd.grad(ref, list(draft.parameters()))

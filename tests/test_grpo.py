@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from titan_draft.grpo import group_advantages, grpo_loss, next_token_logprobs, rollout_batch
+from titan_draft.grpo import group_advantages, grpo_loss, next_token_logprobs
+from titan_draft.step import RolloutBatch
 from titan_draft.models.policy import build_policy, forward_packed
 
 V, P, GROUP, N_PROMPTS, MAX_R = 12, 3, 4, 2, 5
@@ -51,9 +52,15 @@ def hand_terms(tokens, lengths, rewards, W, W_ref, old_shift):
     return items
 
 
+def packed_rollouts(prompts, tokens, lengths):
+    """The rollouts packed as the RL step packs them (advantages are not part of the packing)."""
+    n = len(tokens)
+    return RolloutBatch(tokens, torch.full((n,), prompts.shape[1]), lengths, torch.zeros(n)).packed()
+
+
 @pytest.mark.parametrize("off_policy", [False, True])
 def test_grpo_step_matches_hand_loss_and_gradient(off_policy):
-    """A bigram policy (logits = W[x_t]) through rollout_batch / next_token_logprobs / grpo_loss."""
+    """A bigram policy (logits = W[x_t]) through RolloutBatch.packed / next_token_logprobs / grpo_loss."""
     torch.manual_seed(0)
     prompts, tokens, lengths, rewards = rollouts(1)
     W = torch.randn(V, V, dtype=F64, requires_grad=True)
@@ -65,7 +72,7 @@ def test_grpo_step_matches_hand_loss_and_gradient(off_policy):
         return float(shifts[n, t]) if off_policy else 0.0
 
     # the product path
-    batch = rollout_batch(prompts, tokens, lengths)
+    batch = packed_rollouts(prompts, tokens, lengths)
     logits = W[batch.tokens]
     logprobs = next_token_logprobs(logits, batch.tokens.roll(-1)).double()
     ref_logprobs = next_token_logprobs(W_ref[batch.tokens], batch.tokens.roll(-1)).double()
@@ -119,7 +126,7 @@ def test_grpo_on_tiny_policy_equals_hand_loss_from_its_logits():
     logits row by row (row t of a document scores token t+1), parameter gradients included."""
     policy = build_policy("llama3", "tiny_gqa", 32, seed=0)
     prompts, tokens, lengths, rewards = rollouts(2)
-    batch = rollout_batch(prompts, tokens, lengths)
+    batch = packed_rollouts(prompts, tokens, lengths)
     logits = forward_packed(policy, batch)
     old_shift = torch.linspace(-0.4, 0.4, batch.num_tokens)
     logprobs = next_token_logprobs(logits, batch.tokens.roll(-1))

@@ -28,43 +28,49 @@ def fixed_rollouts(cfg, task):
 
     g = torch.Generator().manual_seed(11)
     n = cfg.rl.prompts_per_step * cfg.rl.group_size
-    prompts = task.sample_prompts(cfg.rl.prompts_per_step, g).repeat_interleave(cfg.rl.group_size, 0)
-    answers = task.answers(prompts)
+    prompts = task.sample_prompts(cfg.rl.prompts_per_step, g).repeat_interleave(cfg.rl.group_size)
+    rows = torch.stack(prompts.ids)
+    answers = task.answers(rows)
     # Half of the samples are right (reward 1), the rest random letters, so advantages are nonzero.
     noise = torch.randint(4, 4 + cfg.task.alphabet_size, answers.shape, generator=g)
     right = torch.arange(n) % 2 == 0
     responses = torch.where(right[:, None], answers, noise)
     lengths = torch.where(right, task.answer_len, torch.randint(2, task.answer_len + 1, (n,), generator=g))
-    return Rollouts(prompts, torch.cat([prompts, responses], 1), lengths, {})
+    return Rollouts(prompts, torch.cat([rows, responses], 1), prompts.lengths(), lengths, {}, torch.zeros(0))
 
 
-def cotrain_step(argv, dims_from_world: bool, poison_draft: bool = False, return_state: bool = False):
-    """One train_on() step; returns (metrics, {param: grad}) with full (gathered) gradients (and the
-    RLState with return_state). poison_draft puts a NaN into the draft's lm_head, so its loss is not finite."""
+def share_of(rollouts, rank: int, degree: int):
+    """This data-parallel rank's share of the step's rollouts (as collect_rollouts gives it)."""
+    from titan_draft.train import Rollouts
+
+    r = rollouts
+    return Rollouts(r.prompts.shard(rank, degree), *(x.chunk(degree)[rank] for x in
+                                                    (r.tokens, r.prompt_lengths, r.response_lengths)), {}, r.counts)
+
+
+def cotrain_step(argv, dims_from_world: bool, poison: str = "", return_state: bool = False):
+    """One train_step(); returns (metrics, {param: grad}) with full (gathered) gradients (and the
+    RLState with return_state). poison = "draft" puts a NaN into the draft's lm_head (its loss is not
+    finite), "policy" one into the policy's output layer (its loss and gradients are not)."""
     from torch.distributed.tensor import DTensor
 
     from titan_draft.cotrain import DraftOptimizer
-    from titan_draft.parallel.parallelize import (build_parallel_dims, dp_rank_and_degree, parallelize_draft,
-                                                  parallelize_policy)
-    from titan_draft.task import SortTask
-    from titan_draft.train import RLState, Rollouts, build_models, train_on
+    from titan_draft.job import build_job
+    from titan_draft.metrics import MetricsLogger
+    from titan_draft.parallel.parallelize import build_parallel_dims, dp_rank_and_degree
+    from titan_draft.train import RLState, train_step
     from titan_draft.warmstart import draft_vocab_from_data
 
     cfg = parse_config(argv)
-    device = _compat.device()
-    args, policy, draft, layers = build_models(cfg, device)
-    task = SortTask(cfg.task.num_items, cfg.task.alphabet_size, args.vocab_size)
-    draft_vocab_from_data(task, draft, torch.Generator().manual_seed(5), 0.0)
-    if poison_draft:
+    dims = build_parallel_dims(cfg, torch.distributed.get_world_size()) if dims_from_world else None
+    job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, rank=1), dims)  # rank 1: writes nothing
+    draft_vocab_from_data(job.task, job.draft, torch.Generator().manual_seed(5))
+    if poison:
+        module = job.draft.lm_head if poison == "draft" else job.policy.output
         with torch.no_grad():
-            draft.lm_head.weight[0, 0] = float("nan")
-    dims = None
-    if dims_from_world:
-        dims = build_parallel_dims(cfg, torch.distributed.get_world_size())
-        parallelize_policy(policy, dims, cfg)
-        parallelize_draft(draft, dims, cfg)
-    state = RLState.create(cfg, args, task, policy, draft, DraftOptimizer(draft, cfg.draft.lr, cfg.draft.max_norm),
-                           layers, device, torch.Generator(), torch.Generator(), dims)
+            weight = module.weight
+            (weight.to_local() if isinstance(weight, DTensor) else weight)[0, 0] = float("nan")
+    state = RLState.create(job, DraftOptimizer(job.draft, cfg.draft))
     grads = {}
 
     def capture(prefix, *modules):
@@ -75,14 +81,9 @@ def cotrain_step(argv, dims_from_world: bool, poison_draft: bool = False, return
                     grads[prefix + name] = g.detach().clone()
         return hook
 
-    policy_parts = state.pipeline.parts if state.pipeline is not None else [policy]  # a rank's stages under PP
-    state.policy_opt.register_step_pre_hook(capture("policy.", *policy_parts))
-    state.draft_opt.optimizer.register_step_pre_hook(capture("draft.", draft))
-    rollouts = fixed_rollouts(cfg, task)
-    rank, degree = dp_rank_and_degree(dims)
-    share = Rollouts(*(x.chunk(degree)[rank] for x in (rollouts.prompts, rollouts.tokens, rollouts.response_lengths)),
-                     {})
-    metrics = train_on(state, share)
+    state.policy.optimizer.register_step_pre_hook(capture("policy.", *state.policy.parts))
+    state.draft_opt.optimizer.register_step_pre_hook(capture("draft.", job.draft))
+    metrics = train_step(state, share_of(fixed_rollouts(cfg, job.task), *dp_rank_and_degree(dims)))
     return (metrics, grads, state) if return_state else (metrics, grads)
 
 
@@ -174,16 +175,16 @@ def _pipeline_worker(rank, world_size, argv):
     from titan_draft.parallel.pipeline_rl import full_state
 
     metrics, grads, state = cotrain_step(argv, dims_from_world=True, return_state=True)
-    state.engine.load_weights(*state.pipeline.rollout_weights(with_draft=True))
+    state.engine.load_weights(*state.policy.rollout_weights(with_draft=True))
     own = {}
-    for part in state.pipeline.parts:
+    for part in state.policy.parts:
         own.update({f"policy.{k}": v for k, v in full_state(part).items()})
-    if state.pipeline.holds_draft:
-        own.update({f"draft.{k}": v for k, v in full_state(state.draft).items()})
+    if state.policy.holds_draft:
+        own.update({f"draft.{k}": v for k, v in full_state(state.job.draft).items()})
     engine = {**{f"policy.{k}": v for k, v in state.engine.policy.state_dict().items()},
               **{f"draft.{k}": v for k, v in state.engine.draft.state_dict().items()}}
     differ = [name for name, value in own.items() if not torch.equal(engine[name], value)]
-    meshes = {name for part in state.pipeline.parts for p in part.parameters() if isinstance(p, DTensor)
+    meshes = {name for part in state.policy.parts for p in part.parameters() if isinstance(p, DTensor)
               for name in p.device_mesh.mesh_dim_names}
     return metrics, grads, differ, len(own), meshes
 

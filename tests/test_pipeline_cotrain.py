@@ -21,11 +21,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
 
 from titan_draft import _compat  # noqa: E402,F401
-from titan_draft.models.draft import DocumentShift, EagleDraft, draft_args_for, ttt_loss  # noqa: E402
+from titan_draft.models.draft import EagleDraft, draft_args_for, ttt_loss  # noqa: E402
 from titan_draft.models.policy import TapRecorder, forward_packed, install_packed_attention, model_args  # noqa: E402
 from titan_draft.ops import branch_attention  # noqa: E402
-from titan_draft.packing import pack  # noqa: E402
-from titan_draft.parallel.pipeline import IGNORE, CoTrainSpec, build_pipeline_cotrain  # noqa: E402
+from titan_draft.packing import DocumentShift, pack  # noqa: E402
+from titan_draft.cotrain import CoTrainSpec  # noqa: E402
+from titan_draft.parallel.pipeline import (IGNORE, PipelineSetup, build_pipeline_cotrain, build_policy_pipeline,  # noqa: E402
+                                          split_policy)
 
 SEQ_LEN, MICROBATCH, N_MICROBATCHES = 12, 2, 4
 SPEC = CoTrainSpec(tap_layers=[1, 3, 5], ttt_steps=3, pass_decay=0.8, loss_weight=0.5)
@@ -140,10 +142,11 @@ def pipeline_errors(rank, world_size, pp, schedules):
         logs = {}
         for taps in (False, True):
             policy, draft = copy.deepcopy(policy0), copy.deepcopy(draft0)
-            run = build_pipeline_cotrain(policy, draft, SPEC, pp_mesh=pp_mesh, pipelines=pipelines,
-                                         schedule=schedule, n_microbatches=N_MICROBATCHES,
-                                         microbatch_size=MICROBATCH, seq_len=SEQ_LEN, dp_group=dp_group,
-                                         taps=taps)
+            setup = PipelineSetup(pp_mesh=pp_mesh, pipelines=pipelines, schedule=schedule,
+                                  n_microbatches=N_MICROBATCHES, microbatch_size=MICROBATCH, seq_len=SEQ_LEN,
+                                  dp_group=dp_group)
+            parts = split_policy(policy, pp_mesh, schedule)
+            run = build_pipeline_cotrain(parts, draft, SPEC, setup) if taps else build_policy_pipeline(parts, setup)
             logs[taps], undo = record_schedule_p2p(pp_mesh.get_group())
             try:
                 losses = run.step(tokens[mine], labels[mine])
@@ -197,10 +200,11 @@ def test_pipeline_cotrain_equals_single_process(world_size, pp_degrees):
 
 def test_bad_settings_name_the_argument():
     policy, draft = tiny_policy_and_draft()
-    kwargs = dict(pp_mesh=None, pipelines=[[0]], schedule="1F1B", n_microbatches=2, microbatch_size=1, seq_len=8)
+    setup = PipelineSetup(pp_mesh=None, pipelines=[[0]], schedule="1F1B", n_microbatches=2, microbatch_size=1,
+                          seq_len=8)
     with pytest.raises(ValueError, match=r"spec.tap_layers: \[3, 1\] must be distinct, ascending and in 0..5"):
-        build_pipeline_cotrain(policy, draft, CoTrainSpec(tap_layers=[3, 1]), **kwargs)
+        build_pipeline_cotrain([policy], draft, CoTrainSpec(tap_layers=[3, 1]), setup)
     with pytest.raises(ValueError, match=r"spec.tap_layers: \[1, 6\]"):
-        build_pipeline_cotrain(policy, draft, CoTrainSpec(tap_layers=[1, 6]), **kwargs)
+        build_pipeline_cotrain([policy], draft, CoTrainSpec(tap_layers=[1, 6]), setup)
     with pytest.raises(ValueError, match="draft: built for 3 taps of width 32, the policy gives 2 of width 32"):
-        build_pipeline_cotrain(policy, draft, CoTrainSpec(tap_layers=[1, 3]), **kwargs)
+        build_pipeline_cotrain([policy], draft, CoTrainSpec(tap_layers=[1, 3]), setup)

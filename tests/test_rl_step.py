@@ -14,12 +14,11 @@ import torch
 
 from titan_draft.config import parse_config
 from titan_draft.cotrain import DraftOptimizer
+from titan_draft.job import build_job
 from titan_draft.metrics import MetricsLogger, read_metrics
-from titan_draft.models.policy import model_args
 from titan_draft.notebook import execute_notebook
-from titan_draft.task import SortTask
-from titan_draft.train import RLState, build_models, collect_rollouts, main, train_on
-from titan_draft.warmstart import draft_vocab_from_data, sft_policy
+from titan_draft.train import RLState, collect_rollouts, main, train_step
+from titan_draft.warmstart import WarmStartRun, draft_vocab_from_data, sft_policy
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = ["--job.config_file", os.path.join(ROOT, "train_configs", "sort_tiny_cpu.toml"), "--model.flavor", "tiny_gqa",
@@ -50,19 +49,16 @@ def same(a, b):
 
 def test_policy_update_is_the_same_in_every_draft_mode(tmp_path):
     cfg = parse_config([*TINY, "--job.dump_folder", str(tmp_path)])
-    device = torch.device("cpu")
-    args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
-    _, policy, draft, layers = build_models(cfg, device)
-    task = SortTask(cfg.task.num_items, cfg.task.alphabet_size, args.vocab_size)
-    data_gen = torch.Generator().manual_seed(1)
     metrics = MetricsLogger(str(tmp_path), tensorboard=False)
+    job = build_job(cfg, metrics)
+    policy, draft, task = job.policy, job.draft, job.task
     # A partly trained policy, so that some groups hold both rewards and the GRPO update is not zero.
-    sft_policy(policy, task, 30, 3e-3, 16, 0.0, data_gen, device, metrics)
-    draft_vocab_from_data(task, draft, data_gen, cfg.task.sft_swap_prob)
-    state = RLState.create(cfg, args, task, policy, draft, DraftOptimizer(draft, cfg.draft.lr, cfg.draft.max_norm),
-                           layers, device, data_gen, torch.Generator().manual_seed(2))
+    cfg.rl.sft_steps = 30
+    sft_policy(policy, task, cfg.rl, WarmStartRun(job.generators["data"], job.device, metrics))
+    draft_vocab_from_data(task, draft, job.generators["data"])
+    state = RLState.create(job, DraftOptimizer(draft, cfg.draft))
     rollouts = collect_rollouts(state)  # speculative (cotrain's engine); the same rollouts feed every mode
-    rewards = task.rewards(rollouts.prompts, rollouts.tokens[:, rollouts.prompts.shape[1]:])
+    rewards = task.rewards(rollouts.prompts, rollouts.responses())
     assert rewards.view(-1, cfg.rl.group_size).std(1).gt(0).any(), "no group with mixed rewards: the test is void"
 
     policy_before, draft_before = params(policy), params(draft)
@@ -70,8 +66,8 @@ def test_policy_update_is_the_same_in_every_draft_mode(tmp_path):
     for mode in MODES:
         s = copy.deepcopy(state)
         s.cfg.draft.mode = mode
-        stats = train_on(s, copy.deepcopy(rollouts))
-        after[mode] = params(s.policy), params(s.draft), stats
+        stats = train_step(s, copy.deepcopy(rollouts))
+        after[mode] = params(s.policy.parts[0]), params(s.job.draft), stats
     assert not same(after["cotrain"][0], policy_before)  # the policy did move
     for mode in ("frozen", "none"):
         assert same(after[mode][0], after["cotrain"][0]), mode  # bit-identical policy update

@@ -47,6 +47,11 @@ class Draft:
     """Offline draft training steps on the SFT policy's taps before RL."""
     cp_mode: Literal["ring", "allgather"] = "ring"
     """Context-parallel attention (policy and draft) when parallelism.context_parallel_degree > 1."""
+    restore_after_skips: int = 3
+    """After this many skipped (non-finite) draft updates in a row, restore the draft and its optimizer
+    to their state before the last update; 0 = never."""
+    init_path: str = ""
+    """A published EAGLE-3 draft folder (SGLang / vLLM layout, as export_draft writes) to start the draft from."""
 
 
 @dataclass
@@ -64,6 +69,9 @@ class RL:
     """PPO/GRPO clip range of the importance ratio."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference (start-of-RL) policy; 0 disables it."""
+    stop_after_skips: int = 3
+    """Stop the job (exit 3) after this many RL steps in a row whose policy update was skipped because its
+    loss or gradient norm was not finite; 0 = never stop."""
 
 
 @dataclass
@@ -73,7 +81,12 @@ class Rollout:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 0
-    """0 = the task's answer length + 2."""
+    """Response budget per rollout; 0 = the task's own (task.max_new_tokens)."""
+    adaptive: bool = False
+    """Pick the number of draft tokens (0..num_speculative_tokens) before every decode step for the most
+    tokens per second (rollout/engine.py); false = always num_speculative_tokens."""
+    dump_samples: int = 0
+    """Rollouts per RL step written to <dump_folder>/rollouts/step_<k>.jsonl for people to read."""
 
 
 @dataclass
@@ -97,26 +110,22 @@ def parse_config(args: list[str]):
     return ConfigManager().parse_args(args)
 
 
-def default_tap_layers(n_layers: int) -> list[int]:
-    return sorted({1, n_layers // 2 - 1, n_layers - 4})
-
-
-def tap_layers(cfg, n_layers: int) -> list[int]:
-    return list(cfg.draft.tap_layers) or default_tap_layers(n_layers)
-
-
-def validate(cfg, world_size: int, n_layers: int, vocab_size: int) -> None:
+def validate(cfg, world_size: int) -> None:
     """Raise ConfigError (one line: key, value, allowed range, fix) for settings that cannot work.
 
     Runs before any process group exists, so a bad config never half-starts a job.
     """
+    from titan_draft.models import policy_args, tap_layers
+
+    args = policy_args(cfg)
+    n_layers, vocab_size = args.n_layers, args.vocab_size
 
     def need(ok: bool, msg: str):
         if not ok:
             raise ConfigError(msg)
 
     d, rl, ro, p = cfg.draft, cfg.rl, cfg.rollout, cfg.parallelism
-    layers = tap_layers(cfg, n_layers)
+    layers = tap_layers(cfg.draft, n_layers)
     for layer in layers:
         need(0 <= layer < n_layers, f"draft.tap_layers: layer {layer} is out of range 0..{n_layers - 1} "
              f"for a {n_layers}-layer policy; pick layers in 0..{n_layers - 1}")
@@ -156,14 +165,12 @@ def validate(cfg, world_size: int, n_layers: int, vocab_size: int) -> None:
          f"2 * context_parallel_degree = {2 * cp}; use a multiple of {2 * cp}")
     pp = p.pipeline_parallel_degree
     need(pp <= n_layers, f"parallelism.pipeline_parallel_degree: {pp} exceeds the policy's {n_layers} layers")
-    _validate_composition(cfg, world_size, need)
+    _validate_composition(cfg, world_size, args, need)
 
 
-def _validate_composition(cfg, world_size: int, need) -> None:
+def _validate_composition(cfg, world_size: int, args, need) -> None:
     """Parallel layouts, data split, checkpointing and timeouts (titan_draft/parallel/parallelize.py,
     titan_draft/checkpoint.py)."""
-    from titan_draft.models.policy import model_args
-
     p, ck, comm = cfg.parallelism, cfg.checkpoint, cfg.comm
     need(p.expert_parallel_degree == 1, f"parallelism.expert_parallel_degree: {p.expert_parallel_degree} is not "
          "supported (dense policies only); set it to 1")
@@ -174,10 +181,9 @@ def _validate_composition(cfg, world_size: int, need) -> None:
     need(cfg.rl.prompts_per_step % dp == 0, f"rl.prompts_per_step: {cfg.rl.prompts_per_step} does not divide "
          f"among the {dp} data-parallel ranks; use a multiple of {dp}")
     if p.pipeline_parallel_degree > 1:
-        _validate_pipeline(cfg, dp, need)
+        _validate_pipeline(cfg, dp, args.n_layers, need)
     tp = p.tensor_parallel_degree
     if tp > 1:
-        args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
         need(cfg.model.name == "llama3", f"model.name: tensor parallelism is wired for llama3 only, not "
              f"'{cfg.model.name}'; set parallelism.tensor_parallel_degree = 1")
         heads = {"policy heads (model.flavor)": args.n_heads, "policy kv heads (model.flavor)": args.n_kv_heads or
@@ -200,11 +206,10 @@ def _validate_composition(cfg, world_size: int, need) -> None:
          f"{comm.train_timeout_seconds} must be > 0 seconds")
 
 
-def _validate_pipeline(cfg, dp: int, need) -> None:
+def _validate_pipeline(cfg, dp: int, layers: int, need) -> None:
     """The RL step through pipeline stages (titan_draft/parallel/pipeline_rl.py)."""
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    from titan_draft.models.policy import model_args
     from titan_draft.parallel.pipeline import pipeline_num_stages
 
     p = cfg.parallelism
@@ -219,7 +224,6 @@ def _validate_pipeline(cfg, dp: int, need) -> None:
          f"'{schedule}' cannot run the RL step (torch's zero-bubble runtime fails on the reference policy's "
          "forward-only pass and on FSDP-wrapped stages' weight pass); use 1F1B, GPipe or Interleaved1F1B")
     stages = pipeline_num_stages(pp, schedule)
-    layers = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len).n_layers
     need(stages <= layers, f"parallelism.pipeline_parallel_schedule: '{schedule}' on {pp} pipeline ranks needs "
          f"{stages} stages, more than the policy's {layers} layers; use 1F1B or GPipe, or a smaller degree")
     rows = cfg.rl.prompts_per_step * cfg.rl.group_size // dp

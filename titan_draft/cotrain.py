@@ -1,42 +1,50 @@
 """The draft's side of a training step: its loss from the policy's own forward, and its update.
 
 The policy forward that computes the policy's loss also records the taps; the draft trains on
-those detached features with the policy's detached logits as teacher. The draft owns its
-optimizer, learning rate and gradient clip, so nothing it does reaches the policy's update.
+those detached features with the policy's detached logits as teacher (docs/DESIGN.md section 2).
+The draft owns its optimizer, learning rate and gradient clip, so nothing it does reaches the
+policy's update. Every layout (one process, FSDP/TP/CP, pipeline stages) calls `draft_loss` or
+`ttt_loss` with a CoTrainSpec, and steps through one DraftOptimizer.
 """
-from functools import partial
+import copy
+import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from titan_draft.models.draft import DocumentShift, EagleDraft, ttt_loss
-from titan_draft.ops import branch_attention
+from titan_draft.models.draft import EagleDraft, ttt_loss
 from titan_draft.packing import PackedBatch
 
 
-def local_draft_inputs(batch: PackedBatch):
-    """shift and attention for a batch held whole by this rank (context parallelism has its own)."""
-    return DocumentShift(batch.cu_seqlens), partial(_packed_branch_attention, cu_seqlens=batch.cu_seqlens)
+@dataclass
+class CoTrainSpec:
+    """The draft's training settings, resolved from the [draft] section (tap layers made explicit)."""
 
+    tap_layers: list[int]
+    ttt_steps: int = 3
+    pass_decay: float = 0.8
+    loss_weight: float = 1.0
 
-def _packed_branch_attention(q, k, v, branch_k, branch_v, cu_seqlens):
-    return branch_attention(q, k, v, branch_k, branch_v, cu_seqlens=cu_seqlens)
+    @classmethod
+    def from_config(cls, draft_cfg, tap_layers: list[int]) -> "CoTrainSpec":
+        return cls(list(tap_layers), draft_cfg.ttt_steps, draft_cfg.pass_decay, draft_cfg.loss_weight)
 
 
 def draft_loss(draft: EagleDraft, emb: torch.Tensor, taps: torch.Tensor, teacher_logits: torch.Tensor,
-               batch: PackedBatch, ttt_steps: int, pass_decay: float, shift=None, attn_fn=None,
-               group: dist.ProcessGroup | None = None):
-    """(loss, metrics): the TTT loss normalised by the valid (anchor, pass) pairs of all ranks in `group`."""
-    if shift is None:
-        shift, attn_fn = local_draft_inputs(batch)
-    states = draft.ttt_forward(emb.detach(), taps.detach(), batch.positions, ttt_steps, shift, attn_fn)
-    total, count, stats = ttt_loss(draft, states, teacher_logits.detach(), batch.loss_mask, shift, pass_decay)
-    per_pass = torch.stack([torch.stack(s) for s in stats]).float()  # [D, (agree, n, ce_sum)]
+               batch: PackedBatch, spec: CoTrainSpec, group: dist.ProcessGroup | None = None):
+    """(loss, per-pass sums [D, (agree, n, ce_sum)] over `group`): the TTT loss normalised by the valid
+    (anchor, pass) pairs of all ranks in `group`. The batch says how its rows attend and shift (whole,
+    or a context-parallel shard)."""
+    shift = batch.shift(spec.ttt_steps)
+    states = draft.ttt_forward(emb.detach(), taps.detach(), batch.positions, spec.ttt_steps, shift,
+                               batch.draft_attention)
+    total, count, stats = ttt_loss(draft, states, teacher_logits.detach(), batch.loss_mask, shift, spec.pass_decay)
+    per_pass = torch.stack([torch.stack(s) for s in stats]).float()
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(count, group=group)
         dist.all_reduce(per_pass, group=group)
-    loss = total / count.clamp(min=1)
-    return loss, draft_metrics(per_pass)
+    return total / count.clamp(min=1), per_pass
 
 
 def draft_metrics(per_pass: torch.Tensor) -> dict[str, float]:
@@ -49,21 +57,54 @@ def draft_metrics(per_pass: torch.Tensor) -> dict[str, float]:
 
 
 class DraftOptimizer:
-    """AdamW + gradient clipping for the draft; a non-finite loss skips the update (and is counted)."""
+    """AdamW + gradient clipping for the draft, from the [draft] section.
 
-    def __init__(self, draft: EagleDraft, lr: float, max_norm: float):
+    A non-finite loss skips the update (counted). After `draft.restore_after_skips` skips in a row the
+    draft and its optimizer go back to their state before the last applied update (the one that made
+    every later loss non-finite), with a warning; counted in `restores`. 0 turns restoring off.
+    """
+
+    def __init__(self, draft: EagleDraft, draft_cfg):
+        self.draft = draft
         self.params = [p for p in draft.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
-        self.max_norm = max_norm
-        self.skipped = 0
+        self.optimizer = torch.optim.AdamW(self.params, lr=draft_cfg.lr, weight_decay=0.0)
+        self.max_norm, self.restore_after = draft_cfg.max_norm, draft_cfg.restore_after_skips
+        self.skipped = self.restores = self.skips_in_a_row = 0
+        self._before_last_update = None
 
     def step(self, loss: torch.Tensor) -> bool:
-        """Apply the gradients already in .grad; returns False (and counts it) when skipped."""
+        """Apply the gradients already in .grad; returns False (and counts it) when skipped. `loss` must be
+        the same on every rank holding a shard of the draft (summed over them), so all skip together."""
         finite = bool(torch.isfinite(loss))
         if finite:
+            if self.restore_after:
+                self._before_last_update = self._snapshot()
             torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
             self.optimizer.step()
+            self.skips_in_a_row = 0
         else:
             self.skipped += 1
+            self.skips_in_a_row += 1
+            if self.restore_after and self.skips_in_a_row >= self.restore_after and self._before_last_update:
+                self._restore()
         self.optimizer.zero_grad(set_to_none=True)
         return finite
+
+    def _snapshot(self):
+        with torch.no_grad():
+            return [p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict())
+
+    def _restore(self) -> None:
+        params, optimizer_state = self._before_last_update
+        with torch.no_grad():
+            for p, saved in zip(self.params, params):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(optimizer_state)
+        self.restores += 1
+        self.skips_in_a_row = 0
+        warnings.warn(f"draft: {self.restore_after} non-finite draft losses in a row; the draft and its optimizer "
+                      "are back to their state before the last update (lower draft.lr if this repeats)",
+                      stacklevel=2)
+
+    def metrics(self) -> dict[str, int]:
+        return {"draft_updates_skipped": self.skipped, "draft_restores": self.restores}

@@ -2,19 +2,11 @@
 import torch
 import torch.nn.functional as F
 
-from titan_draft.packing import PackedBatch, pack_rows
-
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """(r - mean of its group) / (std of its group + eps); rewards [N] ordered group by group."""
     r = rewards.float().view(-1, group_size)
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).flatten()
-
-
-def rollout_batch(prompts: torch.Tensor, tokens: torch.Tensor, response_lengths: torch.Tensor) -> PackedBatch:
-    """Pack prompt + response documents; the trained rows are those that predict a response token."""
-    P = prompts.shape[1]
-    return pack_rows(tokens, first_trained_row=P - 1, lengths=P + response_lengths.cpu())
 
 
 def next_token_logprobs(logits: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:

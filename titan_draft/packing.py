@@ -1,14 +1,24 @@
-"""Packed documents: many variable-length sequences in one token stream, as varlen attention wants."""
+"""Packed documents: many variable-length sequences in one token stream, as varlen attention wants.
+
+A PackedBatch also says how its rows attend and shift (`attention_cu_seqlens`, `draft_attention`,
+`shift`): a batch held whole by this rank attends within its own documents. Context parallelism
+holds a zigzag share instead (parallel/context_parallel.py, `ContextShard`), which overrides the
+three with the ring and the halo shift; nothing else in a training step changes.
+"""
+import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+
+from titan_draft.ops import branch_attention
 
 
 @dataclass
 class PackedBatch:
     tokens: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, restarting at 0 in every document
-    cu_seqlens: torch.Tensor  # [N+1] int32 document boundaries
+    cu_seqlens: torch.Tensor  # [N+1] int32 boundaries of this rank's documents
     loss_mask: torch.Tensor  # [T] bool: rows whose next token is trained (response rows)
     max_seqlen: int
 
@@ -17,8 +27,39 @@ class PackedBatch:
         return self.tokens.numel()
 
     def to(self, device) -> "PackedBatch":
-        return PackedBatch(self.tokens.to(device), self.positions.to(device), self.cu_seqlens.to(device),
-                           self.loss_mask.to(device), self.max_seqlen)
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        moved.update(tokens=self.tokens.to(device), positions=self.positions.to(device),
+                     cu_seqlens=self.cu_seqlens.to(device), loss_mask=self.loss_mask.to(device))
+        return type(self)(**moved)
+
+    @property
+    def attention_cu_seqlens(self) -> torch.Tensor:
+        """The document boundaries the policy's attention metadata carries (models/policy.varlen_metadata)."""
+        return self.cu_seqlens
+
+    def draft_attention(self, q, k, v, branch_k=None, branch_v=None, scale=None):
+        """The draft's trunk + branch attention over these rows (ops/branch_attention.py)."""
+        return branch_attention(q, k, v, branch_k, branch_v, cu_seqlens=self.cu_seqlens, scale=scale)
+
+    def shift(self, max_shift: int) -> "DocumentShift":
+        """shift(x, d) for d <= max_shift: row t reads row t + d of its document (the draft's targets)."""
+        return DocumentShift(self.cu_seqlens)
+
+
+class DocumentShift:
+    """shift(x, d): row t gets x[t + d] when t + d is in the same document, else zeros."""
+
+    def __init__(self, cu_seqlens: torch.Tensor):
+        T = int(cu_seqlens[-1])
+        doc_end = torch.repeat_interleave(cu_seqlens[1:].long(), cu_seqlens.diff().long())
+        self.rows = torch.arange(T, device=cu_seqlens.device)
+        self.doc_end = doc_end
+
+    def __call__(self, x: torch.Tensor, d: int) -> torch.Tensor:
+        src = self.rows + d
+        inside = src < self.doc_end
+        out = x[src.clamp(max=len(self.rows) - 1)]
+        return out * inside.view(-1, *([1] * (x.dim() - 1))).to(out.dtype)
 
 
 def cu_seqlens_from_lengths(lengths: list[int] | torch.Tensor) -> torch.Tensor:
@@ -45,15 +86,16 @@ def pack(sequences: list[torch.Tensor], loss_masks: list[torch.Tensor]) -> Packe
     )
 
 
-def pack_rows(rows: torch.Tensor, first_trained_row: int, lengths: torch.Tensor | None = None) -> PackedBatch:
-    """Pack a [n, L] batch of documents (each cut to lengths[i]); rows >= first_trained_row are trained,
-    except the last row of a document, which has no next token."""
-    n, L = rows.shape
-    lengths = torch.full((n,), L) if lengths is None else lengths
-    seqs, masks = [], []
-    for row, length in zip(rows, lengths.tolist()):
-        mask = torch.zeros(length, dtype=torch.bool)
-        mask[first_trained_row : length - 1] = True
-        seqs.append(row[:length])
-        masks.append(mask)
-    return pack(seqs, masks)
+def trained_rows(prompt_lengths: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[N, width] bool: the rows of each document whose next token is trained, the one rule of every
+    training path (SFT, packed RL, pipelined RL): from the prompt's last row (it predicts the first
+    response token) to the row before the document's last (which has no next token)."""
+    columns = torch.arange(width)
+    return (columns >= prompt_lengths.cpu()[:, None] - 1) & (columns < lengths.cpu()[:, None] - 1)
+
+
+def pack_documents(documents: list[torch.Tensor], prompt_lengths: torch.Tensor) -> PackedBatch:
+    """Pack prompt + response documents, trained on their response rows (trained_rows)."""
+    lengths = torch.tensor([len(doc) for doc in documents])
+    mask = trained_rows(torch.as_tensor(prompt_lengths), lengths, int(lengths.max()))
+    return pack(list(documents), [m[:n] for m, n in zip(mask, lengths.tolist())])

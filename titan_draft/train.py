@@ -1,20 +1,20 @@
 """The main job: SFT warm start -> draft warm start -> RL (GRPO) with speculative rollouts and
 online draft co-training. Run it with ./run_train.sh (torchrun); read it top to bottom.
 
-One RL step:
-  1. rollouts: the speculative engine samples group_size answers per prompt (draft proposes,
-     policy verifies; lossless, so the samples follow the policy exactly);
-  2. rewards -> group-relative advantages;
-  3. ONE policy forward over the packed rollouts records the taps; from it come the policy's GRPO
-     loss and the draft's TTT loss (teacher = the policy's detached logits, inputs = detached taps);
-  4. separate optimizers and clips for policy and draft; the draft loss never reaches the policy;
-  5. the engine's copies are refreshed from the updated weights.
-[draft] mode = "cotrain" | "frozen" | "none" switches step 3's draft update / speculation off.
-With pipeline parallelism, steps 3-4 run through the pipeline schedule (policy stages over the pp
-ranks, the draft on the last): titan_draft/parallel/pipeline_rl.py.
+How a step flows (README "How a step flows"):
+  rl_step(s)
+    collect_rollouts(s)   the engine refreshes its policy/draft copies (s.policy.rollout_weights) and
+                          samples group_size answers per prompt; draft proposes, policy verifies
+                          (lossless: the samples follow the policy exactly)
+    train_step(s, r)      rewards -> group advantages -> s.policy.forward_backward(batch): ONE policy
+                          forward whose taps and logits also give the draft's TTT loss, both
+                          backwards -> clip (over all stages) -> policy optimizer step (skipped when
+                          not finite) -> draft optimizer step (own LR, clip, skip/restore rule)
+`s.policy` is the policy holder: rl_update.WholePolicy (one process, FSDP / TP / CP) or
+parallel/pipeline_rl.PipelinedPolicy (pipeline stages); only their forward_backward differs.
+[draft] mode = "cotrain" | "frozen" | "none" switches the draft's update / speculation off.
 """
-import contextlib
-import copy
+import json
 import os
 import sys
 import time
@@ -23,196 +23,183 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titan_draft import _compat
 from titan_draft.checkpoint import IN_RL, SFT_DONE, WARMUP_DONE, JobCheckpoint, OptimizerState
-from titan_draft.config import parse_config, tap_layers, validate
-from titan_draft.cotrain import DraftOptimizer, draft_loss
-from titan_draft.grpo import group_advantages, grpo_objective, next_token_logprobs, rollout_batch
+from titan_draft.config import ConfigError, parse_config, validate
+from titan_draft.cotrain import DraftOptimizer
+from titan_draft.grpo import group_advantages
+from titan_draft.job import Job, build_job, warm_start
 from titan_draft.metrics import MetricsLogger
-from titan_draft.models.draft import EagleDraft, draft_args_for
-from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
-from titan_draft.parallel import apply_context_parallel
-from titan_draft.parallel.parallelize import (build_parallel_dims, cp_mesh, describe_rank, dp_rank_and_degree,
-                                              init_process_group, loss_group, loss_scale, mean_over_dp,
-                                              parallelize_draft, parallelize_policy, set_collective_timeout,
-                                              sum_over_dp, compute_dtype, training_autocast)
+from titan_draft.parallel.parallelize import (build_parallel_dims, compute_dtype, describe_rank, dp_rank_and_degree,
+                                              init_process_group, mean_over_dp, set_collective_timeout, sum_over_dp)
 from titan_draft.parallel.pipeline_rl import PipelinedPolicy
+from titan_draft.rl_update import WholePolicy
 from titan_draft.rollout import RolloutEngine
-from titan_draft.task import SortTask
-from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draft
-from torchtitan.components.checkpoint import ModelWrapper
+from titan_draft.step import RolloutBatch
+from titan_draft.tasks import Prompts
+from torchtitan.distributed.utils import clip_grad_norm_
 
 
-def build_models(cfg, device):
-    """Policy and draft, initialised from the config's seed."""
-    max_len = cfg.training.seq_len
-    args = model_args(cfg.model.name, cfg.model.flavor, max_len)
-    policy = build_policy(cfg.model.name, cfg.model.flavor, max_len, seed=cfg.debug.seed)
-    layers = tap_layers(cfg, args.n_layers)
-    d = cfg.draft
-    draft = EagleDraft(draft_args_for(args, len(layers), d.vocab_size, d.n_heads, d.n_kv_heads)).to(device)
-    draft.init_weights()
-    return args, policy, draft, layers
+class PolicyDiverged(RuntimeError):
+    """rl.stop_after_skips policy updates in a row were skipped (non-finite loss or gradient norm)."""
 
 
 @dataclass
 class RLState:
     """Everything an RL step reads or updates."""
-    cfg: object
-    task: SortTask
-    policy: torch.nn.Module | None  # None under pipeline parallelism: `pipeline` holds its stages
-    start_policy: torch.nn.Module | None  # reference for the KL metric / penalty (ditto)
-    draft: EagleDraft
-    policy_opt: torch.optim.Optimizer
+
+    job: Job
+    policy: WholePolicy | PipelinedPolicy  # the policy holder
     draft_opt: DraftOptimizer
     engine: RolloutEngine
-    layers: list[int]
-    device: torch.device
-    data_gen: torch.Generator
-    rollout_gen: torch.Generator
-    dims: object = None  # torchtitan ParallelDims of a multi-process run
-    pipeline: PipelinedPolicy | None = None  # the policy's and the reference's stages under PP
-    amp: contextlib.AbstractContextManager = contextlib.nullcontext()  # the training forwards' precision
+    policy_skips_in_a_row: int = 0
+    policy_updates_skipped: int = 0
 
     @classmethod
-    def create(cls, cfg, args, task, policy, draft, draft_opt, layers, device, data_gen, rollout_gen, dims=None):
-        rl, precision = cfg.rl, cfg.training.mixed_precision_param
+    def create(cls, job: Job, draft_opt: DraftOptimizer) -> "RLState":
+        cfg, args = job.cfg, job.policy.model_args
+        holder = PipelinedPolicy if job.dims is not None and job.dims.pp_enabled else WholePolicy
+        policy = holder(job)
         # Rollouts run in the training forwards' precision: bf16 on GPU by default, float32 on CPU.
-        engine = RolloutEngine(args, draft.args if cfg.draft.mode != "none" else None, layers,
-                               max_batch_size=rl.prompts_per_step * rl.group_size, max_seq_len=cfg.training.seq_len,
-                               device=device, dtype=compute_dtype(precision, device))
-        amp = training_autocast(precision, device, dims)
-        if dims is not None and dims.pp_enabled:  # the warm-started policy becomes this rank's stages
-            pipeline = PipelinedPolicy(cfg, policy, draft, layers, dims)
-            return cls(cfg, task, None, None, draft, pipeline.optimizer, draft_opt, engine, layers, device, data_gen,
-                       rollout_gen, dims, pipeline, amp)
-        if dims is None:
-            start_policy = copy.deepcopy(policy)
-        else:  # FSDP modules cannot be deep-copied: the same layout, then the (sharded) state
-            start_policy = parallelize_policy(build_policy(cfg.model.name, cfg.model.flavor, cfg.training.seq_len),
-                                              dims, cfg)
-            start_policy.load_state_dict(policy.state_dict())
-        return cls(cfg, task, policy, start_policy.requires_grad_(False), draft,
-                   torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0), draft_opt, engine,
-                   layers, device, data_gen, rollout_gen, dims, amp=amp)
+        engine = RolloutEngine(args, job.draft.args if cfg.draft.mode != "none" else None, job.spec.tap_layers,
+                               max_batch_size=cfg.rl.prompts_per_step * cfg.rl.group_size,
+                               max_seq_len=cfg.training.seq_len, device=job.device,
+                               dtype=compute_dtype(cfg.training.mixed_precision_param, job.device))
+        return cls(job, policy, draft_opt, engine)
 
-    def checkpoint_states(self) -> dict:
-        """The RL states the job's checkpoint tracks (under PP: this rank's stage parts)."""
-        if self.pipeline is not None:
-            return self.pipeline.checkpoint_states()
-        return {"policy_optimizer": OptimizerState(self.policy, self.policy_opt),
-                "start_policy": ModelWrapper(self.start_policy)}
+    @property
+    def cfg(self):
+        return self.job.cfg
 
 
 @dataclass
 class Rollouts:
-    prompts: torch.Tensor  # [N, P]
-    tokens: torch.Tensor  # [N, P + max_new]
-    response_lengths: torch.Tensor  # [N]
+    prompts: Prompts  # this rank's prompts, each group_size times in a row
+    tokens: torch.Tensor  # [N, W]: row n = its prompt, then its response, then eos
+    prompt_lengths: torch.Tensor  # [N]
+    response_lengths: torch.Tensor  # [N], an emitted eos included
     metrics: dict
+    counts: torch.Tensor  # speculation counters, summed over ranks later (spec_metrics)
+
+    def responses(self) -> list[torch.Tensor]:
+        return [row[p:p + r] for row, p, r in zip(self.tokens, self.prompt_lengths.tolist(),
+                                                 self.response_lengths.tolist())]
 
 
 def collect_rollouts(s: RLState) -> Rollouts:
-    """Steps 1: group_size samples per prompt from the current policy, drafted when speculating."""
-    ro, rl, task = s.cfg.rollout, s.cfg.rl, s.task
-    speculate = s.cfg.draft.mode != "none"
+    """group_size samples per prompt from the current policy, drafted when speculating."""
+    cfg, job = s.cfg, s.job
+    ro, rl = cfg.rollout, cfg.rl
+    speculate = cfg.draft.mode != "none"
     t0 = time.perf_counter()
-    if s.pipeline is not None:  # every rank rolls out with the whole policy, gathered from the stages
-        s.engine.load_weights(*s.pipeline.rollout_weights(speculate))
-    else:
-        s.engine.load_weights(s.policy, s.draft if speculate else None)
+    s.engine.load_weights(*s.policy.rollout_weights(speculate))
     # Every rank draws the whole step's prompts (same stream as one process) and rolls out its share.
-    dp_rank, dp_degree = dp_rank_and_degree(s.dims)
-    prompts = task.sample_prompts(rl.prompts_per_step, s.data_gen).chunk(dp_degree)[dp_rank]
-    prompts = prompts.repeat_interleave(rl.group_size, 0)
-    result = s.engine.generate(prompts.to(s.device), ro.max_new_tokens or task.answer_len + 2,
+    prompts = job.task.sample_prompts(rl.prompts_per_step, job.generators["data"])
+    prompts = prompts.shard(*dp_rank_and_degree(job.dims)).repeat_interleave(rl.group_size)
+    result = s.engine.generate(prompts.ids, ro.max_new_tokens or job.task.max_new_tokens,
                                num_speculative_tokens=ro.num_speculative_tokens if speculate else 0,
-                               temperature=ro.temperature, top_p=ro.top_p, eos_id=task.tokenizer.eos_id,
-                               generator=s.rollout_gen)
-    return Rollouts(prompts, result.tokens.cpu(), result.response_lengths.cpu(), {
+                               adaptive=ro.adaptive, temperature=ro.temperature, top_p=ro.top_p,
+                               eos_id=job.task.tokenizer.eos_id, generator=job.generators["rollout"])
+    counts = torch.tensor([result.num_drafts, result.num_draft_tokens, result.num_accepted_tokens,
+                           *result.accepted_per_position.tolist(), *result.drafted_per_position.tolist()],
+                          dtype=torch.float64)
+    return Rollouts(prompts, result.tokens.cpu(), result.prompt_lengths.cpu(), result.response_lengths.cpu(), {
         "acceptance_length": result.acceptance_length,
         "rollout_tokens_per_s": result.tokens_per_s,
         "rollout_time_s": time.perf_counter() - t0,
-    })
+    }, counts)
 
 
-def train_on(s: RLState, r: Rollouts) -> dict:
-    """Steps 2-4: advantages, one policy forward, the policy's and the draft's separate updates."""
+def spec_metrics(counts: torch.Tensor) -> dict[str, float]:
+    """Speculation metrics under the names vLLM and NeMo RL use, from the counters of all ranks:
+    spec_num_drafts (verify steps that proposed), spec_num_draft_tokens, spec_num_accepted_tokens,
+    spec_acceptance_length = 1 + accepted / drafts, spec_acceptance_rate = accepted / drafted tokens,
+    spec_acceptance_rate_pos_<i> = accepted at draft position i / drafted at position i."""
+    drafts, drafted, accepted = counts[:3].tolist()
+    per_position = counts[3:].view(2, -1)
+    out = {"spec_num_drafts": drafts, "spec_num_draft_tokens": drafted, "spec_num_accepted_tokens": accepted,
+           "spec_acceptance_length": 1 + accepted / max(drafts, 1), "spec_acceptance_rate": accepted / max(drafted, 1)}
+    for i, (acc, tried) in enumerate(zip(*per_position.tolist())):
+        out[f"spec_acceptance_rate_pos_{i}"] = acc / max(tried, 1)
+    return out
+
+
+def train_step(s: RLState, r: Rollouts) -> dict:
+    """Rewards and advantages, the policy holder's forward/backward, then the policy's and the draft's
+    separate updates; returns the step's training metrics."""
+    cfg, job = s.cfg, s.job
     t1 = time.perf_counter()
-    P = r.prompts.shape[1]
-    rewards = s.task.rewards(r.prompts, r.tokens[:, P:])
-    advantages = group_advantages(rewards, s.cfg.rl.group_size)
-    if s.pipeline is not None:  # through the pipeline schedule (titan_draft/parallel/pipeline_rl.py)
-        totals, draft_stats = s.pipeline.update(r.prompts, r.tokens, r.response_lengths, advantages, s.draft_opt)
-    else:
-        totals, draft_stats = _update(s, r, advantages)
+    rewards = job.task.rewards(r.prompts, r.responses())
+    batch = RolloutBatch(r.tokens, r.prompt_lengths, r.response_lengths, group_advantages(rewards, cfg.rl.group_size))
+    sums = s.policy.forward_backward(batch)
+
+    params = [p for part in s.policy.parts for p in part.parameters()]
+    pp_mesh = job.dims.get_optional_mesh("pp") if job.dims is not None else None
+    grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_mesh=pp_mesh)
+    if bool(torch.isfinite(sums.policy[0])) and bool(torch.isfinite(grad_norm)):
+        s.policy.optimizer.step()
+        s.policy_skips_in_a_row = 0
+    else:  # a non-finite update would poison the weights (and every checkpoint after it)
+        s.policy_updates_skipped += 1
+        s.policy_skips_in_a_row += 1
+    s.policy.optimizer.zero_grad(set_to_none=True)
+    if cfg.draft.mode == "cotrain":
+        s.draft_opt.step(sums.draft_loss)  # the same total on every rank: all skip together
+
     with torch.no_grad():
         reward_sum, num_samples = sum_over_dp(torch.stack([rewards.sum(), torch.tensor(float(len(rewards)))])
-                                              .to(s.device), s.dims).tolist()
-    policy_loss, entropy_sum, kl_sum, clipped, tokens = totals.tolist()
-    return {"reward_mean": reward_sum / num_samples, **draft_stats, "policy_loss": policy_loss,
-            "entropy": entropy_sum / tokens, "kl_to_start": kl_sum / tokens, "clip_frac": clipped / tokens,
-            "train_time_s": time.perf_counter() - t1}
+                                              .to(job.device), job.dims).tolist()
+    draft = sums.draft_metrics()
+    if cfg.draft.mode == "cotrain":
+        draft["draft_updates_skipped"] = s.draft_opt.skipped
+    metrics = {"reward_mean": reward_sum / num_samples, **draft, **sums.policy_metrics(),
+               "train_time_s": time.perf_counter() - t1, "policy_updates_skipped": s.policy_updates_skipped}
+    if cfg.draft.mode == "cotrain":
+        metrics["draft_restores"] = s.draft_opt.restores
+    if s.policy_skips_in_a_row >= cfg.rl.stop_after_skips > 0:
+        raise PolicyDiverged(f"rl: the policy's loss or gradient norm was not finite in {s.policy_skips_in_a_row} RL "
+                             "steps in a row (those updates were skipped, the weights are the last finite ones); "
+                             "lower rl.lr or raise rl.stop_after_skips")
+    return metrics
 
 
-def _update(s: RLState, r: Rollouts, advantages: torch.Tensor):
-    """Steps 3-4 on the whole policy: returns the totals over all ranks [policy loss, entropy, log p -
-    log p_ref, clipped rows, response rows] and the draft's metrics."""
-    cfg, d, rl = s.cfg, s.cfg.draft, s.cfg.rl
-    batch = rollout_batch(r.prompts, r.tokens, r.response_lengths).to(s.device)
-    shift = draft_attn = None
-    if cp_mesh(s.dims) is not None:  # this rank's zigzag rows of every document; ring attention in both policies
-        apply_context_parallel(s.start_policy, batch, cp_mesh(s.dims), d.cp_mode, max_shift=d.ttt_steps)
-        batch, shift, draft_attn = apply_context_parallel(s.policy, batch, cp_mesh(s.dims), d.cp_mode,
-                                                          max_shift=d.ttt_steps)
-    row_advantages = advantages.to(s.device).repeat_interleave(batch.cu_seqlens.diff().long())
-    # The next token of every row: across shard edges under CP.
-    next_tokens = batch.tokens.roll(-1) if shift is None else shift(batch.tokens, 1)
-
-    # One policy forward: GRPO loss for the policy; taps and logits for the draft.
-    with s.amp, TapRecorder(s.policy, s.layers) as rec:
-        logits = forward_packed(s.policy, batch)
-    with s.amp, torch.no_grad():
-        ref_logprobs = next_token_logprobs(forward_packed(s.start_policy, batch), next_tokens)
-    # Losses are normalised by counts over all ranks holding rows (FSDP averages: hence the scale).
-    mask = batch.loss_mask
-    num_tokens = sum_over_dp(mask.sum().float(), s.dims, "loss")
-    policy_loss, sums = grpo_objective(logits, next_tokens, row_advantages, mask, ref_logprobs, rl.clip_eps,
-                                       rl.kl_coef, num_tokens)
-    (loss_scale(s.dims) * policy_loss).backward()
-    torch.nn.utils.clip_grad_norm_(s.policy.parameters(), cfg.training.max_norm)
-    s.policy_opt.step()
-    s.policy_opt.zero_grad(set_to_none=True)
-
-    # The draft's update: its inputs are detached, so nothing here reaches the policy.
-    draft_stats = {}
-    if d.mode != "none":
-        with s.amp, torch.set_grad_enabled(d.mode == "cotrain"):
-            loss, draft_stats = draft_loss(s.draft, rec.embeddings(), rec.taps(), logits, batch, d.ttt_steps,
-                                           d.pass_decay, shift, draft_attn, group=loss_group(s.dims))
-        if d.mode == "cotrain":
-            (loss_scale(s.dims) * d.loss_weight * loss).backward()
-            s.draft_opt.step(sum_over_dp(loss.detach(), s.dims, "loss"))  # one rank's NaN: every rank skips
-            draft_stats["draft_updates_skipped"] = s.draft_opt.skipped
-    totals = torch.cat([sum_over_dp(sums, s.dims, "loss"), num_tokens[None]])
-    return totals, draft_stats
-
-
-def rl_step(s: RLState) -> dict:
-    """One RL step (see the module docstring); returns its metrics."""
+def rl_step(s: RLState, step: int) -> dict:
+    """RL step `step` (see the module docstring); returns its metrics."""
     rollouts = collect_rollouts(s)
-    return {**mean_over_dp(rollouts.metrics, s.dims), **train_on(s, rollouts)}
+    metrics = {**mean_over_dp(rollouts.metrics, s.job.dims), **train_step(s, rollouts)}
+    if s.cfg.draft.mode != "none":
+        metrics.update(spec_metrics(sum_over_dp(rollouts.counts.to(s.job.device), s.job.dims).cpu()))
+    _dump_samples(s, rollouts, step)
+    return metrics
+
+
+def _dump_samples(s: RLState, r: Rollouts, step: int) -> None:
+    """rollout.dump_samples of this step's rollouts (rank 0's share) to <dump_folder>/rollouts/step_<k>.jsonl."""
+    count = s.cfg.rollout.dump_samples
+    if not count or not s.job.metrics.enabled:
+        return
+    tokenizer, responses = s.job.task.tokenizer, r.responses()
+    rewards = s.job.task.rewards(r.prompts, responses)
+    folder = os.path.join(s.cfg.job.dump_folder, "rollouts")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"step_{step}.jsonl"), "w") as f:
+        for i in range(min(count, len(responses))):
+            ids = responses[i].tolist()
+            f.write(json.dumps({"step": step, "prompt": tokenizer.decode(r.prompts.ids[i].tolist()),
+                                "response": tokenizer.decode(ids), "response_ids": ids,
+                                "reward": float(rewards[i])}) + "\n")
 
 
 def main(argv: list[str]) -> None:
     cfg = parse_config(argv)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
-    validate(cfg, world_size, args.n_layers, args.vocab_size)  # before any process group
+    validate(cfg, world_size)  # before any process group
     init_process_group(cfg)
     dims = build_parallel_dims(cfg, world_size) if world_size > 1 else None
     try:
-        run(cfg, args, dims)
+        run(cfg, dims)
+    except PolicyDiverged as err:
+        print(f"stopped: {err}", file=sys.stderr)
+        raise SystemExit(3) from None
     except (RuntimeError, dist.DistError) as err:  # collective timeouts included: say where
         if dims is None:
             raise
@@ -222,55 +209,26 @@ def main(argv: list[str]) -> None:
         dist.destroy_process_group()
 
 
-def run(cfg, args, dims) -> None:
-    device = _compat.device()
-    seed = cfg.debug.seed if cfg.debug.seed is not None else 0
-    torch.manual_seed(seed)
-    data_gen = torch.Generator().manual_seed(seed + 1)  # the same prompts on every rank (each takes its share)
-    rollout_gen = torch.Generator(device=device).manual_seed(seed + 2 + 1000 * dp_rank_and_degree(dims)[0])
-    # The draft warm-up has its own data stream, so that every [draft] mode (none skips the warm-up)
-    # starts RL on the same prompts.
-    warmup_gen = torch.Generator().manual_seed(seed + 3)
+def run(cfg, dims) -> None:
     metrics = MetricsLogger(cfg.job.dump_folder, rank=dist.get_rank())
-    task = SortTask(cfg.task.num_items, cfg.task.alphabet_size, args.vocab_size)
-    _, policy, draft, layers = build_models(cfg, device)
-    if dims is not None:
-        parallelize_policy(policy, dims, cfg)
-        parallelize_draft(draft, dims, cfg)
-    d, rl = cfg.draft, cfg.rl
-    amp = training_autocast(cfg.training.mixed_precision_param, device, dims)
-    checkpoint = JobCheckpoint(cfg, policy, draft, {"data": data_gen, "rollout": rollout_gen})
+    job = build_job(cfg, metrics, dims)
+    checkpoint = JobCheckpoint(cfg, job.policy, job.draft, {"data": job.generators["data"],
+                                                            "rollout": job.generators["rollout"]})
     resume_phase = checkpoint.resume_phase()
-    draft_opt = DraftOptimizer(draft, d.lr, d.max_norm)
-
-    # --- warm starts (skipped when a checkpoint has them) ---------------------------------------
+    draft_opt = DraftOptimizer(job.draft, cfg.draft)
     if resume_phase >= WARMUP_DONE:
-        checkpoint.track(draft_optimizer=OptimizerState(draft, draft_opt.optimizer))
+        checkpoint.track(draft_optimizer=OptimizerState(job.draft, draft_opt.optimizer))
     if resume_phase in (SFT_DONE, WARMUP_DONE):
         checkpoint.load()
-    if resume_phase < SFT_DONE:
-        sft_policy(policy, task, rl.sft_steps, rl.sft_lr, rl.sft_batch_size, cfg.task.sft_swap_prob, data_gen,
-                   device, metrics, amp=amp)
-        checkpoint.save(SFT_DONE)
-    if resume_phase < WARMUP_DONE:
-        draft_vocab_from_data(task, draft, data_gen, cfg.task.sft_swap_prob)
-        if d.mode != "none":
-            draft_opt = warmup_draft(policy, draft, task, layers, d.warmup_steps, d.lr, d.max_norm,
-                                     rl.sft_batch_size, d.ttt_steps, d.pass_decay, cfg.task.sft_swap_prob, warmup_gen,
-                                     device, metrics, amp=amp)
-        checkpoint.track(draft_optimizer=OptimizerState(draft, draft_opt.optimizer))
-        checkpoint.save(WARMUP_DONE)
+    warm_start(job, draft_opt, checkpoint, resume_phase)
 
-    # --- RL ---------------------------------------------------------------------------------------
-    rl_state = RLState.create(cfg, args, task, policy, draft, draft_opt, layers, device, data_gen, rollout_gen,
-                              dims)
-    checkpoint.track_rl(rl_state.checkpoint_states(), draft_trains_here=rl_state.pipeline is None or
-                        rl_state.pipeline.holds_draft)
+    state = RLState.create(job, draft_opt)
+    checkpoint.track_rl(state.policy.checkpoint_states(), draft_trains_here=state.policy.holds_draft)
     if resume_phase == IN_RL:
         checkpoint.load()
     first_step = checkpoint.train_state.rl_step + 1
     for step in range(first_step, cfg.training.steps + 1):
-        metrics.log("rl", step, rl_step(rl_state))
+        metrics.log("rl", step, rl_step(state, step))
         if step == first_step and dims is not None:  # this run's first step is done: tighter timeout
             set_collective_timeout(dims, cfg.comm.train_timeout_seconds)
         checkpoint.save(IN_RL, step)
@@ -279,4 +237,8 @@ def run(cfg, args, dims) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

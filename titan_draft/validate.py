@@ -7,13 +7,10 @@ import sys
 
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.config import ConfigError, parse_config, validate
-from titan_draft.models.policy import model_args
 
 
 def check(argv: list[str], world_size: int) -> None:
-    cfg = parse_config(argv)
-    args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
-    validate(cfg, world_size, args.n_layers, args.vocab_size)
+    validate(parse_config(argv), world_size)
 
 
 def main(argv: list[str]) -> int:

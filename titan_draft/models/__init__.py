@@ -1,0 +1,31 @@
+"""The two models of the job: the policy (a torchtitan llama3 / qwen3 model) and the EAGLE-3 draft."""
+import torch
+
+from titan_draft.models.draft import EagleDraft, draft_args_for
+from titan_draft.models.policy import build_policy, model_args
+
+
+def default_tap_layers(n_layers: int) -> list[int]:
+    """EAGLE-3's taps: the outputs of layers (1, L//2-1, L-4), distinct and ascending."""
+    return sorted({1, n_layers // 2 - 1, n_layers - 4})
+
+
+def tap_layers(draft_cfg, n_layers: int) -> list[int]:
+    """[draft] tap_layers, or the default ones when empty."""
+    return list(draft_cfg.tap_layers) or default_tap_layers(n_layers)
+
+
+def policy_args(cfg):
+    """The policy's torchtitan model args from the job config ([model] name / flavor, training.seq_len)."""
+    return model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
+
+
+def build_models(cfg, device):
+    """(policy args, policy, draft, tap layers): both models initialised from the config's seed."""
+    args = policy_args(cfg)
+    policy = build_policy(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, seed=cfg.debug.seed)
+    layers = tap_layers(cfg.draft, args.n_layers)
+    d = cfg.draft
+    draft = EagleDraft(draft_args_for(args, len(layers), d.vocab_size, d.n_heads, d.n_kv_heads)).to(device)
+    draft.init_weights()
+    return args, policy, draft, layers

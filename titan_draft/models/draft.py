@@ -185,22 +185,6 @@ class EagleDraft(nn.Module):
         return states
 
 
-class DocumentShift:
-    """shift(x, d): row t gets x[t + d] when t + d is in the same document, else zeros."""
-
-    def __init__(self, cu_seqlens: torch.Tensor):
-        T = int(cu_seqlens[-1])
-        doc_end = torch.repeat_interleave(cu_seqlens[1:].long(), cu_seqlens.diff().long())
-        self.rows = torch.arange(T, device=cu_seqlens.device)
-        self.doc_end = doc_end
-
-    def __call__(self, x: torch.Tensor, d: int) -> torch.Tensor:
-        src = self.rows + d
-        inside = src < self.doc_end
-        out = x[src.clamp(max=len(self.rows) - 1)]
-        return out * inside.view(-1, *([1] * (x.dim() - 1))).to(out.dtype)
-
-
 def ttt_loss(draft: EagleDraft, states: list[torch.Tensor], teacher_logits: torch.Tensor,
              loss_mask: torch.Tensor, shift: ShiftFn, pass_decay: float):
     """Soft cross-entropy of every pass against the policy, restricted to the draft vocabulary.

@@ -105,7 +105,9 @@ def install_packed_attention(model: nn.Module, attn_fn: AttentionFn | None = Non
 
 
 def varlen_metadata(batch: PackedBatch) -> VarlenMetadata:
-    return VarlenMetadata(batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen)
+    """The attention metadata of a packed batch: its documents (the global ones under context parallelism)."""
+    bounds = batch.attention_cu_seqlens
+    return VarlenMetadata(bounds, bounds, batch.max_seqlen, batch.max_seqlen)
 
 
 def forward_packed(model: nn.Module, batch: PackedBatch) -> torch.Tensor:

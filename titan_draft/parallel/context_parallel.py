@@ -1,19 +1,23 @@
-"""Context parallelism for a co-training step: shard the packed batch, wire the CP ops in.
+"""Context parallelism for a training step: installed once in the models, each batch sharded.
 
-On each rank of the CP group (torchtitan: `[parallelism] context_parallel_degree`, mesh
-`parallel_dims.get_mesh("cp")`; titan_draft: `[draft] cp_mode`):
+Like TP and FSDP, `apply_context_parallel(model, cp_mesh, mode)` is applied once to a plain policy
+(torchtitan: `[parallelism] context_parallel_degree`, mesh `parallel_dims.get_mesh("cp")`;
+titan_draft: `[draft] cp_mode`): its attention becomes the packed ring (or all-gather), which
+reads the GLOBAL document boundaries from the attention metadata the model receives. Every batch
+is then sharded by `shard_batch_for_cp`, and the shard carries what its rows need:
 
-    local, shift, draft_attn = apply_context_parallel(policy, batch, cp_mesh, cfg.draft.cp_mode,
-                                                      max_shift=cfg.draft.ttt_steps)
-    logits = forward_packed(policy, local)              # ring attention inside, local rows
-    targets = shift(local.tokens, 1)                    # next token, across shard edges
-    loss_sum = cross_entropy(logits[m], targets[m], reduction="sum"), m = local.loss_mask
-    loss = loss_sum / global_count(m.sum(), cp_mesh)    # same normaliser as at CP = 1
-    states = draft.ttt_forward(emb, taps, local.positions, D, shift, draft_attn)
+    local = shard_batch_for_cp(batch, cp_mesh, cfg.draft.cp_mode)   # this rank's zigzag rows
+    logits = forward_packed(policy, local)        # metadata = local.attention_cu_seqlens (global)
+    shift = local.shift(D)                        # next rows across shard edges (HaloShift)
+    states = draft.ttt_forward(emb, taps, local.positions, D, shift, local.draft_attention)
+    loss = loss_sum / (count summed over cp)      # the same normaliser as at CP = 1
 
 The gradients of parameters replicated over CP are summed over the CP group by FSDP (torchtitan
 shards over dp_shard x cp), as for any data-parallel split of the tokens.
 """
+from dataclasses import dataclass
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
@@ -23,35 +27,49 @@ from titan_draft.parallel.halo import HaloShift
 from titan_draft.parallel.zigzag import pad_documents, shard_batch
 
 
-def apply_context_parallel(policy, batch: PackedBatch, cp_mesh, mode: str = "ring", max_shift: int = 1):
-    """Pad and zigzag-shard `batch`, install CP attention into `policy` (None: skip).
-
-    Returns (local_batch, shift, draft_attn_fn): this rank's rows (tokens, positions, loss_mask,
-    local cu_seqlens); a HaloShift for shifts 0..max_shift that reads zeros past every document's
-    real end (never the padding); and the draft's branch attention over the CP group,
-    `draft_attn_fn(q, k, v, branch_k, branch_v)`. Call install_packed_attention(policy) to undo.
-    """
+def _check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"draft.cp_mode: '{mode}' is not supported; use one of {MODES}")
+
+
+def apply_context_parallel(model, cp_mesh, mode: str = "ring") -> None:
+    """Make every attention of `model` the packed CP op over `cp_mesh` (once, like TP and FSDP)."""
+    from titan_draft.models.policy import install_packed_attention  # the CP ops never need torchtitan
+
+    _check_mode(mode)
+    install_packed_attention(model, partial(cp_branch_attention, cp_mesh=cp_mesh, mode=mode))
+
+
+@dataclass
+class ContextShard(PackedBatch):
+    """This rank's zigzag rows of a padded packed batch (local cu_seqlens = padded / cp size)."""
+
+    global_cu_seqlens: torch.Tensor  # padded global boundaries: what the ring attention reads
+    doc_lengths: torch.Tensor  # real document lengths: shifts read zeros past them, never padding
+    cp_mesh: object
+    mode: str
+
+    @property
+    def attention_cu_seqlens(self) -> torch.Tensor:
+        return self.global_cu_seqlens
+
+    def draft_attention(self, q, k, v, branch_k=None, branch_v=None, scale=None):
+        return cp_branch_attention(q, k, v, branch_k, branch_v, self.global_cu_seqlens, self.cp_mesh, self.mode,
+                                   scale=scale)
+
+    def shift(self, max_shift: int) -> HaloShift:
+        return HaloShift(self.global_cu_seqlens, self.cp_mesh, max_shift, doc_lengths=self.doc_lengths)
+
+
+def shard_batch_for_cp(batch: PackedBatch, cp_mesh, mode: str = "ring") -> ContextShard:
+    """Pad every document to a multiple of 2 x cp size and keep this rank's zigzag rows."""
+    _check_mode(mode)
     cp_size, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
     padded, _ = pad_documents(batch, 2 * cp_size)
     local = shard_batch(padded, cp_size, cp_rank)
-    cu_seqlens = padded.cu_seqlens
-
-    def policy_attn(q, k, v, cu_seqlens=None, scale=None):
-        # The policy hands over its local boundaries; the ring needs the global ones.
-        return cp_branch_attention(q, k, v, None, None, padded.cu_seqlens, cp_mesh, mode, scale=scale)
-
-    def draft_attn(q, k, v, branch_k=None, branch_v=None, scale=None):
-        return cp_branch_attention(q, k, v, branch_k, branch_v, cu_seqlens, cp_mesh, mode, scale=scale)
-
-    if policy is not None:
-        # Imported here: the policy pulls in torchtitan, which the CP ops themselves never need.
-        from titan_draft.models.policy import install_packed_attention
-
-        install_packed_attention(policy, policy_attn)
-    shift = HaloShift(cu_seqlens, cp_mesh, max_shift, doc_lengths=batch.cu_seqlens.diff())
-    return local, shift, draft_attn
+    return ContextShard(local.tokens, local.positions, local.cu_seqlens, local.loss_mask, local.max_seqlen,
+                        global_cu_seqlens=padded.cu_seqlens, doc_lengths=batch.cu_seqlens.diff(), cp_mesh=cp_mesh,
+                        mode=mode)
 
 
 def global_count(count: torch.Tensor, cp_mesh) -> torch.Tensor:

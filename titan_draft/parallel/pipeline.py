@@ -36,10 +36,12 @@ from torchtitan.distributed.pipeline_parallel import (
 from torchtitan.models.attention import VarlenMetadata
 
 from titan_draft.grpo import grpo_objective, next_token_logprobs
-from titan_draft.models.draft import DocumentShift, EagleDraft, ttt_loss
-from titan_draft.models.policy import TapRecorder, install_packed_attention
+from titan_draft.cotrain import CoTrainSpec
+from titan_draft.models.draft import EagleDraft, ttt_loss
+from titan_draft.models.policy import TapRecorder
 from titan_draft.ops import branch_attention
 from titan_draft.parallel.cp_attention import cp_branch_attention
+from titan_draft.packing import DocumentShift
 from titan_draft.parallel.halo import HaloShift
 from titan_draft.parallel.tap_channel import TapChannel
 from titan_draft.parallel.zigzag import zigzag_rows
@@ -48,11 +50,27 @@ IGNORE = -100
 
 
 @dataclass
-class CoTrainSpec:
-    tap_layers: list[int]
-    ttt_steps: int = 3
-    pass_decay: float = 0.8
-    loss_weight: float = 1.0
+class PipelineSetup:
+    """Where a pipeline runs and the shape of its microbatches.
+
+    pipelines: global ranks of every pipeline replica in pp order (the TapChannel's argument);
+    dp_group: the data-parallel replicas' group (loss normalisers); cp_mesh: run every row
+    zigzag-sharded over it (RowLayout; the parts must have CP attention: apply_context_parallel);
+    dtype: of the activations between stages (default the parts' parameters'; FSDP's
+    mixed-precision param dtype when it casts); channel_timeouts: TapChannel (put, get) seconds.
+    """
+
+    pp_mesh: object
+    pipelines: list[list[int]]
+    schedule: str
+    n_microbatches: int
+    microbatch_size: int
+    seq_len: int
+    dp_group: dist.ProcessGroup | None = None
+    cp_mesh: object = None
+    cp_mode: str = "ring"
+    dtype: torch.dtype | None = None
+    channel_timeouts: tuple[float, float] = (120.0, 240.0)
 
 
 def stage_pp_ranks(num_stages: int, pp: int, schedule: str) -> list[int]:
@@ -92,15 +110,15 @@ class RowLayout:
             self.shift = HaloShift(self.cu_seqlens, cp_mesh, max_shift)
             positions = self.columns
         self.positions = positions.expand(rows, -1)  # [rows, local_len]: RoPE ids of the local columns
-        self.documents = row_documents(rows, self.local_len, device)
+        # The stages' attention metadata: the global rows (CP attention, installed in the parts, reads them).
+        self.documents = row_documents(rows, seq_len, device)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's columns of a [B, seq_len, ...] tensor."""
         return x if self.columns is None else x.index_select(1, self.columns.to(x.device))
 
-    def attention(self, q, k, v, branch_k=None, branch_v=None, cu_seqlens=None, scale=None):
-        """Causal attention within the global documents (+ the draft's branch): local rows in, local rows out.
-        cu_seqlens, as the policy's attention slot hands it over, is the local view: unused."""
+    def attention(self, q, k, v, branch_k=None, branch_v=None, scale=None):
+        """The draft's causal attention within the global documents + its branch: local rows in and out."""
         if self.cp_mesh is None:
             return branch_attention(q, k, v, branch_k, branch_v, cu_seqlens=self.cu_seqlens, scale=scale)
         return cp_branch_attention(q, k, v, branch_k, branch_v, self.cu_seqlens, self.cp_mesh, self.cp_mode,
@@ -177,8 +195,6 @@ class TapStage(nn.Module):
         self.sends_embeddings = part.tok_embeddings is not None
         self.draft = draft  # the last stage only: a submodule so that the schedule's weight pass sees it
         self.layout = layout
-        if layout is not None and layout.cp_mesh is not None:
-            install_packed_attention(part, layout.attention)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout is None:  # positions default to 0..S-1 per row
@@ -209,7 +225,7 @@ class CoTrainLoss:
     """
 
     def __init__(self, draft: EagleDraft | None, channel: TapChannel | None, producer_stages: list[int],
-                 spec: CoTrainSpec, policy_loss=None, layout: RowLayout | None = None, grad_scale: float = 1.0,
+                 spec: CoTrainSpec, layout: RowLayout, *, policy_loss=None, grad_scale: float = 1.0,
                  train_draft: bool = True):
         self.draft, self.channel, self.producers, self.spec = draft, channel, sorted(producer_stages), spec
         self.policy_loss = policy_loss or CrossEntropyLoss()
@@ -237,8 +253,7 @@ class CoTrainLoss:
         return self.grad_scale * (policy + self.spec.loss_weight * draft)
 
     def _draft_loss(self, features: torch.Tensor, logits: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
-        rows, seq_len = trained.shape
-        layout = self.layout or RowLayout(rows, seq_len, logits.device)
+        layout = self.layout
         dim = self.draft.args.dim
         emb, taps = features[:, :dim], features[:, dim:]
         states = self.draft.ttt_forward(emb, taps, layout.positions.flatten(), self.spec.ttt_steps, layout.shift,
@@ -262,9 +277,7 @@ class PipelineCoTrain:
     loss: CoTrainLoss  # used on the rank holding the last stage
     spec: CoTrainSpec
     stage_ranks: list[int]  # pp rank of every stage
-    n_microbatches: int
-    microbatch_size: int
-    dp_group: dist.ProcessGroup | None
+    setup: PipelineSetup
     layout: RowLayout
 
     @property
@@ -277,9 +290,10 @@ class PipelineCoTrain:
 
     def _check_rows(self, tokens: torch.Tensor) -> None:
         rows, seq_len = tokens.shape
-        if rows != self.n_microbatches * self.microbatch_size or seq_len != self.layout.seq_len:
+        n, size = self.setup.n_microbatches, self.setup.microbatch_size
+        if rows != n * size or seq_len != self.layout.seq_len:
             raise ValueError(f"tokens: {tuple(tokens.shape)}, expected [n_microbatches x microbatch_size, seq_len] "
-                             f"= [{self.n_microbatches} x {self.microbatch_size}, {self.layout.seq_len}]")
+                             f"= [{n} x {size}, {self.layout.seq_len}]")
 
     def step(self, tokens: torch.Tensor, target: torch.Tensor):
         """tokens [B, S] and the policy loss's target ([B, S] labels, or [B, S, C]) of this data-parallel
@@ -292,14 +306,14 @@ class PipelineCoTrain:
 
     def begin_step(self, trained: torch.Tensor) -> None:
         """The step's loss normalisers from the trained rows [B, S] of this replica (whole rows; every rank)."""
-        self.loss.begin_step(*target_counts(trained, self.spec.ttt_steps, self.dp_group))
+        self.loss.begin_step(*target_counts(trained, self.spec.ttt_steps, self.setup.dp_group))
 
     def run(self, tokens: torch.Tensor, local_target: torch.Tensor | None):
         """The schedule on whole-row tokens [B, S] and the last stage's target, already in this rank's
         columns (RowLayout.shard); after begin_step. Returns as step()."""
         self._check_rows(tokens)
         if self.channel is not None:
-            self.channel.begin_step(self.n_microbatches, self.microbatch_size * self.layout.local_len)
+            self.channel.begin_step(self.setup.n_microbatches, self.setup.microbatch_size * self.layout.local_len)
         args = (self.layout.shard(tokens),) if self.has_first else ()
         losses = [] if self.has_last else None
         self.schedule.step(*args, target=local_target if self.has_last else None, losses=losses,
@@ -319,62 +333,66 @@ class PipelineCoTrain:
         return torch.cat(losses) if self.has_last else None
 
 
-def build_pipeline_cotrain(policy: nn.Module, draft: EagleDraft | None, spec: CoTrainSpec, *, pp_mesh, pipelines,
-                           schedule: str, n_microbatches: int, microbatch_size: int, seq_len: int,
-                           dp_group: dist.ProcessGroup | None = None, taps: bool = True,
-                           put_timeout: float = 120.0, get_timeout: float = 240.0, policy_loss=None,
-                           cp_mesh=None, cp_mode: str = "ring", grad_scale: float = 1.0, parts=None,
-                           loss=None, train_draft: bool = True, dtype: torch.dtype | None = None) -> PipelineCoTrain:
-    """Split `policy` over the pp mesh with torchtitan's helpers, wire the TapChannel, build the schedule.
-
-    pipelines: global ranks of every pipeline replica in pp order (TapChannel's argument);
-    taps=False builds the identical pipeline without channel or draft (the plain policy), for
-    checking that the schedule's own communication does not change. policy_loss: see CoTrainLoss
-    (default: cross-entropy on labels). cp_mesh: run every row zigzag-sharded over it (RowLayout).
-    parts: this rank's already split (and parallelized) parts from split_policy, instead of
-    splitting `policy` here. loss: a loss function replacing CoTrainLoss (with taps=False), e.g.
-    NextTokenLogprobs for forward_logprobs. dtype: of the activations between stages (default the
-    policy's parameters'; FSDP's mixed-precision param dtype when it casts).
-    """
-    n_layers = policy.model_args.n_layers
+def build_pipeline_cotrain(parts: list[nn.Module], draft: EagleDraft, spec: CoTrainSpec, setup: PipelineSetup, *,
+                           policy_loss=None, grad_scale: float = 1.0, train_draft: bool = True) -> PipelineCoTrain:
+    """The co-training pipeline: this rank's stage `parts` (split_policy) with a TapChannel to the draft on
+    the last stage. policy_loss: see CoTrainLoss (default: cross-entropy on labels); grad_scale:
+    data-parallel gradient averaging (parallelize.loss_scale); train_draft=False evaluates a frozen draft."""
+    args = parts[0].model_args
     layers = list(spec.tap_layers)
-    if layers != sorted(set(layers)) or not all(0 <= i < n_layers for i in layers):
-        raise ValueError(f"spec.tap_layers: {layers} must be distinct, ascending and in 0..{n_layers - 1}")
-    if taps and (draft.args.n_taps != len(layers) or draft.args.dim != policy.model_args.dim):
+    if layers != sorted(set(layers)) or not all(0 <= i < args.n_layers for i in layers):
+        raise ValueError(f"spec.tap_layers: {layers} must be distinct, ascending and in 0..{args.n_layers - 1}")
+    if draft.args.n_taps != len(layers) or draft.args.dim != args.dim:
         raise ValueError(f"draft: built for {draft.args.n_taps} taps of width {draft.args.dim}, the policy gives "
-                         f"{len(layers)} of width {policy.model_args.dim}; build it with draft_args_for(policy "
+                         f"{len(layers)} of width {args.dim}; build it with draft_args_for(policy "
                          f"args, n_taps=len(spec.tap_layers))")
-    pp = pp_mesh.size()
-    num_stages = pipeline_num_stages(pp, schedule)
-    names = generate_llm_fqn_per_model_part(num_stages, n_layers)
+    return _build(parts, setup, spec, draft=draft,
+                  loss_options=dict(policy_loss=policy_loss, grad_scale=grad_scale, train_draft=train_draft))
+
+
+def build_policy_pipeline(parts: list[nn.Module], setup: PipelineSetup, *, policy_loss=None, grad_scale: float = 1.0,
+                          loss=None) -> PipelineCoTrain:
+    """The same pipeline without TapChannel or draft: the plain policy (the schedule's own communication
+    is then exactly the co-training one's). policy_loss, grad_scale: as build_pipeline_cotrain; loss: a
+    function replacing the policy loss, e.g. NextTokenLogprobs for a forward-only run (forward_logprobs)."""
+    return _build(parts, setup, CoTrainSpec(tap_layers=[]), draft=None,
+                  loss_options=dict(policy_loss=policy_loss, grad_scale=grad_scale), loss=loss)
+
+
+def _build(parts: list[nn.Module], setup: PipelineSetup, spec: CoTrainSpec, *, draft=None, loss_options=None,
+           loss=None) -> PipelineCoTrain:
+    """Stages, TapChannel (with a draft) and torchtitan's schedule over this rank's parts; the schedule's
+    loss is a CoTrainLoss (with loss_options), or `loss` when given."""
+    args = parts[0].model_args
+    pp_mesh, schedule, microbatch_size = setup.pp_mesh, setup.schedule, setup.microbatch_size
+    num_stages = pipeline_num_stages(pp_mesh.size(), schedule)
+    names = generate_llm_fqn_per_model_part(num_stages, args.n_layers)
     device = _compat.device()
-    if parts is None:
-        parts = split_policy(policy, pp_mesh, schedule)
-    stage_ranks = stage_pp_ranks(num_stages, pp, schedule)
+    stage_ranks = stage_pp_ranks(num_stages, pp_mesh.size(), schedule)
     local_stages = [s for s in range(num_stages) if stage_ranks[s] == pp_mesh.get_local_rank()]
-    dim, vocab = policy.model_args.dim, policy.model_args.vocab_size
-    dtype = dtype or next(policy.parameters()).dtype
-    layout = RowLayout(microbatch_size, seq_len, device, cp_mesh, cp_mode, max_shift=spec.ttt_steps)
+    dtype = setup.dtype or next(parts[0].parameters()).dtype
+    layout = RowLayout(microbatch_size, setup.seq_len, device, setup.cp_mesh, setup.cp_mode, max_shift=spec.ttt_steps)
+    taps = draft is not None
 
     widths = {}
     for s, stage_names in enumerate(names):
         count = ("tok_embeddings" in stage_names) + sum(f"layers.{i}" in stage_names for i in spec.tap_layers)
         if count:
-            widths[s] = count * dim
-    channel = TapChannel(pipelines, stage_ranks, widths, microbatch_size * layout.local_len, dtype, device,
-                         put_timeout, get_timeout) if taps else None
+            widths[s] = count * args.dim
+    channel = TapChannel(setup.pipelines, stage_ranks, widths, microbatch_size * layout.local_len, dtype, device,
+                         *setup.channel_timeouts) if taps else None
 
     # Every rank needs a loss function: torch pipelining runs backward only when it has one.
-    cotrain_loss = CoTrainLoss(draft if taps else None, channel, list(widths), spec, policy_loss, layout, grad_scale,
-                               train_draft)
+    cotrain_loss = CoTrainLoss(draft, channel, list(widths), spec, layout, **(loss_options or {}))
     stages = []
     for s, part in zip(local_stages, parts):
         last = s == num_stages - 1
-        module = TapStage(part, s, spec.tap_layers if taps else [], channel, draft if taps and last else None, layout)
+        module = TapStage(part, s, spec.tap_layers, channel, draft if last else None, layout)
         shape = (microbatch_size, layout.local_len)
         inputs = torch.empty(shape, dtype=torch.long, device="meta") if s == 0 else \
-            torch.empty(*shape, dim, dtype=dtype, device="meta", requires_grad=True)
-        outputs = torch.empty(*shape, vocab if last else dim, dtype=dtype, device="meta", requires_grad=True)
+            torch.empty(*shape, args.dim, dtype=dtype, device="meta", requires_grad=True)
+        outputs = torch.empty(*shape, args.vocab_size if last else args.dim, dtype=dtype, device="meta",
+                              requires_grad=True)
         # Given shapes, torch pipelining skips its inference forward, which would run the stage (and
         # the loss) once more than the schedule and desynchronise the channel.
         stages.append(PipelineStage(module, s, num_stages, device, input_args=inputs, output_args=outputs,
@@ -382,12 +400,11 @@ def build_pipeline_cotrain(policy: nn.Module, draft: EagleDraft | None, spec: Co
 
     job = JobConfig()
     job.parallelism.pipeline_parallel_schedule = schedule
-    job.parallelism.pipeline_parallel_degree = pp
+    job.parallelism.pipeline_parallel_degree = pp_mesh.size()
     job.parallelism.pipeline_parallel_microbatch_size = microbatch_size
-    job.training.local_batch_size = n_microbatches * microbatch_size
+    job.training.local_batch_size = setup.n_microbatches * microbatch_size
     pp_schedule = build_pipeline_schedule(job, stages, loss or cotrain_loss)
-    return PipelineCoTrain(pp_schedule, stages, parts, channel, cotrain_loss, spec, stage_ranks, n_microbatches,
-                           microbatch_size, dp_group, layout)
+    return PipelineCoTrain(pp_schedule, stages, parts, channel, cotrain_loss, spec, stage_ranks, setup, layout)
 
 
 def pipeline_num_stages(pp: int, schedule: str) -> int:

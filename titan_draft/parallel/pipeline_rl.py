@@ -1,17 +1,17 @@
-"""The RL job's policy update under pipeline parallelism ([parallelism] pipeline_parallel_degree > 1).
+"""The RL update under pipeline parallelism ([parallelism] pipeline_parallel_degree > 1): PipelinedPolicy,
+the pipelined twin of rl_update.WholePolicy (the same surface; train.train_step uses either).
 
 - Warm starts (SFT, draft warm-up) run the whole policy on every rank, as without PP. At the start
-  of RL the policy's full weights are split into this rank's stage parts (torchtitan's
+  of RL the policy's full weights are split once into this rank's stage parts (torchtitan's
   pipeline_module_split; FQNs unchanged), and each part is parallelized like the whole policy
-  (FSDP2 over dp_shard x cp, per part, the torchtitan way). The draft stays whole on the last stage.
+  (FSDP2 over dp_shard x cp, per part, the torchtitan way; CP attention installed once). The draft
+  stays whole on the last stage.
 - The reference policy (KL metric and penalty) is split the same way and runs forward-only through
-  its own schedule (schedule.eval): each rank holds only its stages of it, where a full copy per
-  rank would cost what pipelining saves.
-- One update: reference log-probs, then the co-training schedule with the GRPO loss
-  (pipeline.GRPOLoss, the same grpo_objective as train_on) plus the draft's TTT loss on the last
-  stage; the policy's gradients are clipped by their norm over all stages (torchtitan's
-  clip_grad_norm_ with the pp mesh); the draft steps on the last stage. Its metric sums are then
-  shared over the pp group, so every rank returns the step's metrics.
+  its own schedule (schedule.eval): each rank holds only its stages of it.
+- forward_backward: reference log-probs, then the co-training schedule with the GRPO loss
+  (pipeline.GRPOLoss, the same grpo_objective as WholePolicy) plus the draft's TTT loss on the last
+  stage. Its sums are shared over the loss group and then the pp group, so every rank returns the
+  step's StepSums; clipping (over all stages), the optimizer step and the draft's step are train_step's.
 - Rollouts need the whole policy on every rank: each pp rank contributes its parts' full state,
   all-gathered over the pp group (the draft's from the last stage).
 - Context parallelism: every rollout row is zigzag-sharded over the cp ranks inside each stage
@@ -24,20 +24,22 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 
 from titan_draft import _compat
-from titan_draft.cotrain import draft_metrics
 from titan_draft.models.policy import build_policy
+from titan_draft.parallel.context_parallel import apply_context_parallel
 from titan_draft.parallel.parallelize import cp_mesh, loss_group, loss_scale, parallelize_policy
 from titan_draft.parallel.pipeline import (
-    CoTrainSpec,
     GRPOLoss,
     NextTokenLogprobs,
+    PipelineSetup,
     build_pipeline_cotrain,
+    build_policy_pipeline,
     grpo_target,
     last_stage_pp_rank,
     split_policy,
 )
+from titan_draft.rl_update import policy_optimizer
+from titan_draft.step import RolloutBatch, StepSums
 from torchtitan.components.checkpoint import ModelWrapper
-from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.utils import clip_grad_norm_
 
@@ -79,19 +81,6 @@ class Weights:
         return self.state
 
 
-def rollout_rows(prompts: torch.Tensor, tokens: torch.Tensor, response_lengths: torch.Tensor, multiple: int = 1):
-    """The rollouts as whole rows, padded at their end to a multiple of `multiple`: tokens [N, W],
-    next tokens [N, W] and the response mask [N, W] (the rows grpo.rollout_batch trains: from the
-    prompt's last row to the one before the document's last)."""
-    n, width = tokens.shape
-    padded = -(-width // multiple) * multiple
-    tokens = torch.nn.functional.pad(tokens, (0, padded - width))
-    P = prompts.shape[1]
-    columns = torch.arange(padded, device=tokens.device)
-    mask = (columns >= P - 1) & (columns < (P - 1 + response_lengths.to(tokens.device))[:, None])
-    return tokens, tokens.roll(-1, dims=1), mask
-
-
 def activation_dtype(cfg, dims) -> torch.dtype:
     """What the stages compute in: FSDP's mixed-precision param dtype when FSDP wraps them."""
     if dims.fsdp_enabled or dims.dp_replicate_enabled:
@@ -102,19 +91,18 @@ def activation_dtype(cfg, dims) -> torch.dtype:
 class PipelinedPolicy:
     """The RL policy and its reference as this rank's pipeline stage parts; the draft on the last stage."""
 
-    def __init__(self, cfg, policy: nn.Module, draft: nn.Module, layers: list[int], dims):
-        self.cfg, self.draft, self.dims = cfg, draft, dims
+    def __init__(self, job):
+        """job: titan_draft.job.Job, its policy warm-started whole on every rank (split here, once)."""
+        cfg, dims = job.cfg, job.dims
+        self.cfg, self.draft, self.spec, self.dims = cfg, job.draft, job.spec, dims
         self.pp_mesh = dims.get_mesh("pp")
         self.schedule = cfg.parallelism.pipeline_parallel_schedule
-        weights = full_state(policy)
-        # The structure only (meta): build_pipeline_cotrain reads its args, split_policy copies it.
+        weights = full_state(job.policy)
+        # The structure only (meta), which split_policy copies into stage parts.
         self.skeleton = build_policy(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, device="meta")
         self.parts = self._split(weights)
-        self.ref_parts = [part.requires_grad_(False) for part in self._split(weights)]
-        self.optimizer = OptimizersContainer(self.parts, torch.optim.AdamW, {"lr": cfg.rl.lr, "weight_decay": 0.0})
-        d = cfg.draft
-        self.spec = CoTrainSpec(tap_layers=list(layers), ttt_steps=d.ttt_steps, pass_decay=d.pass_decay,
-                                loss_weight=d.loss_weight)
+        self.reference_parts = [part.requires_grad_(False) for part in self._split(weights)]
+        self.optimizer = policy_optimizer(self.parts, cfg.rl)
         self.width = self.train = self.reference = None
 
     def _split(self, weights: dict[str, torch.Tensor]) -> list[nn.Module]:
@@ -126,6 +114,8 @@ class PipelinedPolicy:
                 part.init_weights(buffer_device=device)  # the non-persistent RoPE table
             part.load_state_dict({name: weights[name] for name in part.state_dict()})
             parallelize_policy(part, self.dims, self.cfg)
+            if cp_mesh(self.dims) is not None:
+                apply_context_parallel(part, cp_mesh(self.dims), self.cfg.draft.cp_mode)
         return parts
 
     def _pipelines(self, width: int, rows: int):
@@ -134,72 +124,56 @@ class PipelinedPolicy:
             cfg, d = self.cfg, self.cfg.draft
             microbatch = cfg.parallelism.pipeline_parallel_microbatch_size
             batch = self.dims.get_optional_mesh("batch")
-            common = dict(pp_mesh=self.pp_mesh, pipelines=pipeline_replicas(self.dims), schedule=self.schedule,
-                          n_microbatches=rows // microbatch, microbatch_size=microbatch, seq_len=width,
-                          dp_group=None if batch is None else batch.get_group(), cp_mesh=cp_mesh(self.dims),
-                          cp_mode=d.cp_mode, dtype=activation_dtype(cfg, self.dims))
-            taps = d.mode != "none"
-            self.train = build_pipeline_cotrain(self.skeleton, self.draft if taps else None, self.spec,
-                                                parts=self.parts, taps=taps, train_draft=d.mode == "cotrain",
-                                                policy_loss=GRPOLoss(cfg.rl.clip_eps, cfg.rl.kl_coef),
-                                                grad_scale=loss_scale(self.dims), **common)
-            self.reference = build_pipeline_cotrain(self.skeleton, None, self.spec, parts=self.ref_parts, taps=False,
-                                                    loss=NextTokenLogprobs(), **common)
+            setup = PipelineSetup(pp_mesh=self.pp_mesh, pipelines=pipeline_replicas(self.dims), schedule=self.schedule,
+                                  n_microbatches=rows // microbatch, microbatch_size=microbatch, seq_len=width,
+                                  dp_group=None if batch is None else batch.get_group(), cp_mesh=cp_mesh(self.dims),
+                                  cp_mode=d.cp_mode, dtype=activation_dtype(cfg, self.dims))
+            policy_loss = GRPOLoss(cfg.rl.clip_eps, cfg.rl.kl_coef)
+            if d.mode == "none":
+                self.train = build_policy_pipeline(self.parts, setup, policy_loss=policy_loss,
+                                                   grad_scale=loss_scale(self.dims))
+            else:
+                self.train = build_pipeline_cotrain(self.parts, self.draft, self.spec, setup, policy_loss=policy_loss,
+                                                    grad_scale=loss_scale(self.dims), train_draft=d.mode == "cotrain")
+            self.reference = build_policy_pipeline(self.reference_parts, setup, loss=NextTokenLogprobs())
             self.width = width
         return self.train, self.reference
 
-    def update(self, prompts, tokens, response_lengths, advantages, draft_opt):
-        """One policy (and draft) update on this replica's rollouts; every rank returns the step's
-        (totals [loss, entropy, kl, clipped rows, response rows] over all replicas, draft metrics)."""
-        cfg, d = self.cfg, self.cfg.draft
-        cp = cp_mesh(self.dims)
+    def forward_backward(self, rollouts: RolloutBatch) -> StepSums:
+        """The reference's forward-only schedule, then the co-training schedule (fwd + bwd) on this
+        replica's rollouts; every rank returns the step's sums over all replicas and stages."""
         device = _compat.device()
-        tokens, next_tokens, mask = (x.to(device) for x in rollout_rows(
-            prompts, tokens, response_lengths, 1 if cp is None else 2 * cp.size()))
+        cp = cp_mesh(self.dims)
+        tokens, next_tokens, mask = (x.to(device) for x in rollouts.rows(1 if cp is None else 2 * cp.size()))
         train, reference = self._pipelines(tokens.shape[1], tokens.shape[0])
 
         ref_logprobs = reference.forward_logprobs(tokens, next_tokens)
-        for part in self.ref_parts:  # forward-only: no backward reshards FSDP's gathered parameters
+        for part in self.reference_parts:  # forward-only: no backward reshards FSDP's gathered parameters
             for module in part.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-        row_advantages = advantages.to(device)[:, None].expand_as(mask)
+        row_advantages = rollouts.advantages.to(device)[:, None].expand_as(mask)
         local = train.layout.shard
         target = grpo_target(local(next_tokens), local(mask), local(row_advantages), ref_logprobs) \
             if train.has_last else None
         train.begin_step(mask)
         train.run(tokens, target)
 
-        params = [p for part in self.parts for p in part.parameters()]
-        clip_grad_norm_(params, cfg.training.max_norm, pp_mesh=self.pp_mesh)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
         # The last stage holds the sums: over dp x cp there, then to every pp rank (zeros elsewhere).
-        passes = d.ttt_steps if d.mode != "none" else 0
+        passes = self.spec.ttt_steps if self.cfg.draft.mode != "none" else 0
         numbers = torch.zeros(5 + 3 * passes + 1, dtype=torch.float64, device=device)
         if self.holds_draft:
             loss = train.loss
             numbers[:4] = loss.policy_stats.double()
             if passes:
                 numbers[5:5 + 3 * passes] = loss.draft_stats.double().flatten()
+                numbers[-1] = torch.as_tensor(loss.draft_sum, dtype=torch.float64, device=device)
             group = loss_group(self.dims)
             if group is not None:
                 dist.all_reduce(numbers, group=group)
             numbers[4] = loss.policy_count.double()  # already global
-            if d.mode == "cotrain":
-                draft_total = torch.as_tensor(loss.draft_sum, dtype=torch.float64, device=device).clone()
-                if group is not None:
-                    dist.all_reduce(draft_total, group=group)
-                draft_opt.step(draft_total)  # one rank's NaN: every rank skips
-                numbers[-1] = draft_opt.skipped
         dist.all_reduce(numbers, group=self.pp_mesh.get_group())
-        draft_stats = {}
-        if passes:
-            draft_stats = draft_metrics(numbers[5:5 + 3 * passes].view(passes, 3))
-            if d.mode == "cotrain":
-                draft_stats["draft_updates_skipped"] = int(numbers[-1])
-        return numbers[:5], draft_stats
+        return StepSums(numbers[:5], numbers[5:5 + 3 * passes].view(passes, 3), numbers[-1])
 
     def rollout_weights(self, with_draft: bool):
         """(policy, draft or None) for RolloutEngine.load_weights: the whole policy gathered from every
@@ -221,5 +195,5 @@ class PipelinedPolicy:
     def checkpoint_states(self) -> dict:
         """What the job's checkpoint tracks in RL: the policy's and the reference's parts (this rank's
         FQNs) and the policy optimizer (the draft and its optimizer only on the last stage: JobCheckpoint)."""
-        return {"model": ModelWrapper(self.parts), "start_policy": ModelWrapper(self.ref_parts),
+        return {"model": ModelWrapper(self.parts), "start_policy": ModelWrapper(self.reference_parts),
                 "policy_optimizer": self.optimizer}

@@ -1,0 +1,75 @@
+"""The job's parts before RL: what it is built from (`build_job`) and its warm starts (`warm_start`).
+
+train.py runs them, then RL; bench/ drivers call the same two functions.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from titan_draft import _compat
+from titan_draft.checkpoint import NOT_STARTED, SFT_DONE, WARMUP_DONE, JobCheckpoint, OptimizerState
+from titan_draft.cotrain import CoTrainSpec, DraftOptimizer
+from titan_draft.metrics import MetricsLogger
+from titan_draft.models import build_models
+from titan_draft.parallel.parallelize import dp_rank_and_degree, parallelize_draft, parallelize_policy, training_autocast
+from titan_draft.tasks import build_task
+from titan_draft.warmstart import WarmStartRun, draft_vocab_from_data, sft_policy, warmup_draft
+
+
+@dataclass
+class Job:
+    """What every phase of the job reads: config, task, models, where they run, the data streams."""
+
+    cfg: object
+    task: object
+    policy: torch.nn.Module
+    draft: torch.nn.Module
+    spec: CoTrainSpec
+    device: torch.device
+    generators: dict  # data (prompts, SFT), rollout (sampling), warmup (the draft warm-up's documents)
+    metrics: MetricsLogger
+    dims: object = None  # torchtitan ParallelDims of a multi-process run
+
+    @property
+    def amp(self):
+        """The training forwards' precision (parallelize.training_autocast)."""
+        return training_autocast(self.cfg.training.mixed_precision_param, self.device, self.dims)
+
+
+def build_job(cfg, metrics: MetricsLogger, dims=None) -> Job:
+    """The task, the policy and draft (initial weights loaded, parallelized), the seeded generators."""
+    device = _compat.device()
+    seed = cfg.debug.seed if cfg.debug.seed is not None else 0
+    torch.manual_seed(seed)
+    generators = {
+        "data": torch.Generator().manual_seed(seed + 1),  # the same prompts on every rank (each takes its share)
+        "rollout": torch.Generator(device=device).manual_seed(seed + 2 + 1000 * dp_rank_and_degree(dims)[0]),
+        # The draft warm-up has its own data stream, so that every [draft] mode (none skips the warm-up)
+        # starts RL on the same prompts.
+        "warmup": torch.Generator().manual_seed(seed + 3),
+    }
+    args, policy, draft, layers = build_models(cfg, device)
+    task = build_task(cfg, args.vocab_size)
+    if dims is not None:
+        parallelize_policy(policy, dims, cfg)
+        parallelize_draft(draft, dims, cfg)
+    return Job(cfg, task, policy, draft, CoTrainSpec.from_config(cfg.draft, layers), device, generators, metrics, dims)
+
+
+def warm_start(job: Job, draft_opt: DraftOptimizer, checkpoint: JobCheckpoint | None = None,
+               resume_phase: int = NOT_STARTED) -> None:
+    """SFT, then the draft's vocabulary and warm-up, each skipped when `resume_phase` has it; saved at their ends."""
+    cfg, metrics = job.cfg, job.metrics
+    if resume_phase < SFT_DONE:
+        sft_policy(job.policy, job.task, cfg.rl, WarmStartRun(job.generators["data"], job.device, metrics, job.amp))
+        if checkpoint is not None:
+            checkpoint.save(SFT_DONE)
+    if resume_phase < WARMUP_DONE:
+        draft_vocab_from_data(job.task, job.draft, job.generators["data"])
+        if cfg.draft.mode != "none":
+            warmup_draft(job.policy, job.draft, job.task, job.spec, optimizer=draft_opt, steps=cfg.draft.warmup_steps,
+                         batch_size=cfg.rl.sft_batch_size,
+                         run=WarmStartRun(job.generators["warmup"], job.device, metrics, job.amp))
+        if checkpoint is not None:
+            checkpoint.track(draft_optimizer=OptimizerState(job.draft, draft_opt.optimizer))
+            checkpoint.save(WARMUP_DONE)

@@ -1,0 +1,60 @@
+"""What one RL update reads and returns, for every layout: `RolloutBatch` in, `StepSums` out.
+
+The two policy holders (rl_update.WholePolicy: one process, FSDP / TP / CP; parallel/pipeline_rl.
+PipelinedPolicy: pipeline stages) differ only in how they run the forward and backward; both
+read a RolloutBatch and return StepSums, from which train.train_step takes its metrics and the
+draft's skip decision.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from titan_draft.cotrain import draft_metrics
+from titan_draft.packing import PackedBatch, pack_documents, trained_rows
+
+# Columns of StepSums.policy.
+POLICY_SUMS = ("policy_loss", "entropy_sum", "kl_sum", "clipped_rows", "response_rows")
+
+
+@dataclass
+class RolloutBatch:
+    """One data-parallel replica's rollouts: row n = its prompt in columns 0..prompt_lengths[n]-1, its
+    response right after (response_lengths[n] tokens), anything after that."""
+
+    tokens: torch.Tensor  # [N, W] int64
+    prompt_lengths: torch.Tensor  # [N] int64
+    response_lengths: torch.Tensor  # [N] int64
+    advantages: torch.Tensor  # [N] float32, the document's GRPO advantage
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.prompt_lengths + self.response_lengths
+
+    def packed(self) -> PackedBatch:
+        """The documents packed, trained on their response rows (packing.trained_rows)."""
+        return pack_documents([row[:n] for row, n in zip(self.tokens, self.lengths.tolist())], self.prompt_lengths)
+
+    def rows(self, multiple: int = 1):
+        """Whole rows padded at their end to a multiple of `multiple` (the pipeline's layout): tokens
+        [N, W'], next tokens [N, W'] and the trained rows [N, W'] (the same rule as packed())."""
+        width = -(-self.tokens.shape[1] // multiple) * multiple
+        tokens = torch.nn.functional.pad(self.tokens, (0, width - self.tokens.shape[1]))
+        return tokens, tokens.roll(-1, dims=1), trained_rows(self.prompt_lengths, self.lengths, width)
+
+
+@dataclass
+class StepSums:
+    """A step's sums over all ranks (data, context and pipeline parallel): what its metrics and the
+    draft's skip rule read."""
+
+    policy: torch.Tensor  # float64 [5], POLICY_SUMS
+    draft: torch.Tensor  # [D, 3]: per pass (agreeing argmax, valid pairs, cross-entropy); D = 0: no draft
+    draft_loss: torch.Tensor  # the draft's loss (summed over the ranks that hold rows): skip its update if not finite
+
+    def policy_metrics(self) -> dict[str, float]:
+        loss, entropy, kl, clipped, rows = self.policy.tolist()
+        return {"policy_loss": loss, "entropy": entropy / rows, "kl_to_start": kl / rows, "clip_frac": clipped / rows}
+
+    def draft_metrics(self) -> dict[str, float]:
+        """draft_loss and draft_acc_pass{d} (none without a draft)."""
+        return draft_metrics(self.draft) if len(self.draft) else {}
