@@ -28,6 +28,7 @@ from titan_draft.checkpoint import IN_RL, SFT_DONE, WARMUP_DONE, JobCheckpoint, 
 from titan_draft.config import parse_config, tap_layers, validate
 from titan_draft.cotrain import DraftOptimizer, draft_loss
 from titan_draft.grpo import group_advantages, grpo_objective, next_token_logprobs, rollout_batch
+from titan_draft.job_guard import die_with_launcher, lock_dump_folder
 from titan_draft.metrics import MetricsLogger
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
@@ -205,10 +206,12 @@ def rl_step(s: RLState) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    die_with_launcher()  # torchrun's workers live in sessions of their own
     cfg = parse_config(argv)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
     validate(cfg, world_size, args.n_layers, args.vocab_size)  # before any process group
+    lock_dump_folder(cfg.job.dump_folder)  # rank 0: one job per dump folder
     init_process_group(cfg)
     dims = build_parallel_dims(cfg, world_size) if world_size > 1 else None
     try:
