@@ -164,7 +164,8 @@ class JobCheckpoint:
             folder = self.manager._create_checkpoint_id(self.load_step)
             problem = check_checkpoint(folder, self.settings)
             if problem is not None:
-                raise ConfigError(f"checkpoint.load_step: {problem}; pick another step, or -1 for the newest intact one")
+                raise ConfigError(f"checkpoint.load_step: {problem}; pick another step, or -1 for the newest intact "
+                                  "one")
             return self.load_step
         for step in sorted(complete_steps(self.manager.folder), reverse=True):
             problem = check_checkpoint(self.manager._create_checkpoint_id(step), self.settings)

@@ -142,7 +142,8 @@ def validate(cfg, world_size: int, n_layers: int, vocab_size: int) -> None:
     need(rl.lr > 0, f"rl.lr: {rl.lr} must be > 0 (the policy's learning rate in RL)")
     need(rl.sft_lr > 0, f"rl.sft_lr: {rl.sft_lr} must be > 0 (the policy's learning rate in SFT)")
     need(rl.sft_batch_size >= 1, f"rl.sft_batch_size: {rl.sft_batch_size} must be >= 1")
-    need(rl.clip_eps > 0, f"rl.clip_eps: {rl.clip_eps} must be > 0 (the ratio is clipped to 1 - clip_eps .. 1 + clip_eps)")
+    need(rl.clip_eps > 0, f"rl.clip_eps: {rl.clip_eps} must be > 0 (the ratio is clipped to 1 - clip_eps .. "
+         "1 + clip_eps)")
     t = cfg.task
     need(0 <= t.sft_swap_prob <= 1, f"task.sft_swap_prob: {t.sft_swap_prob} must be a probability in [0, 1]")
     if t.name == "sort":
@@ -173,8 +174,8 @@ def validate(cfg, world_size: int, n_layers: int, vocab_size: int) -> None:
         prompt, answer = lengths
         budget = ro.max_new_tokens or answer + 2
         longest = prompt + max(answer, budget)
-        need(seq >= longest, f"training.seq_len: {seq} cannot hold a {cfg.task.name} prompt of {prompt} tokens with its "
-             f"answer ({answer}) or a rollout of {budget} new tokens (rollout.max_new_tokens, 0 = answer + 2); use "
+        need(seq >= longest, f"training.seq_len: {seq} cannot hold a {cfg.task.name} prompt of {prompt} tokens with "
+             f"its answer ({answer}) or a rollout of {budget} new tokens (rollout.max_new_tokens, 0 = answer + 2); use "
              f">= {-(-longest // (2 * cp)) * 2 * cp}")
     need(cfg.training.seq_len % (2 * cp) == 0, f"training.seq_len: {cfg.training.seq_len} is not divisible by "
          f"2 * context_parallel_degree = {2 * cp}; use a multiple of {2 * cp}")
