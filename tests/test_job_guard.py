@@ -127,3 +127,10 @@ def process_runs(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_an_adopted_worker_sees_its_launcher_is_gone():
+    """The launcher may die before the worker arms its parent-death signal: then init or a subreaper
+    has adopted the worker, and it exits instead of training on."""
+    assert not job_guard._is_launcher(1)
+    assert job_guard._is_launcher(os.getpid())  # a Python process, as torchrun is

@@ -37,12 +37,16 @@ def die_with_launcher() -> None:
 
 
 def _is_launcher(pid: int) -> bool:
+    """Whether `pid` can be this worker's launcher: a Python process (torchrun, or a launcher built on
+    torch's elastic agent), not the init process or a subreaper that adopted an orphan."""
+    if pid == 1:
+        return False
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmdline = f.read()
     except OSError:
-        return pid != 1
-    return b"torchrun" in cmdline or b"torch.distributed.run" in cmdline
+        return True
+    return b"python" in cmdline or b"torchrun" in cmdline
 
 
 def lock_dump_folder(folder: str) -> None:
