@@ -108,8 +108,8 @@ def test_damaged_checkpoints_are_named_and_skipped(saved, tmp_path, process_grou
     with pytest.raises(ConfigError) as error:  # a step asked for by name is not replaced by another
         job_checkpoint(job, "--checkpoint.load_step", "3").resume_phase()
     assert str(error.value) == (f"checkpoint.load_step: checkpoint file {steps}/step-3/{where.relative_path} is "
-                                "damaged (its SHA-256 differs from the one recorded at save); pick another step, or -1 for the "
-                                "newest intact one")
+                                "damaged (its SHA-256 differs from the one recorded at save); pick another step, or -1 "
+                                "for the newest intact one")
 
 
 def test_resume_with_other_settings_names_the_key(saved, tmp_path, process_group):

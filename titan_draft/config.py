@@ -213,7 +213,7 @@ def _check_types(section, prefix: str, need) -> None:
         if dataclasses.is_dataclass(value):
             _check_types(value, key + ".", need)
         else:
-            need(_has_type(value, hints[f.name]), f"{key}: {value!r} is a {type(value).__name__}, expected "
+            need(_has_type(value, hints[f.name]), f"{key}: {value!r} has type {type(value).__name__}, expected "
                  f"{_type_name(hints[f.name])}; fix it in the config file")
 
 
