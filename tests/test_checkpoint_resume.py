@@ -1,8 +1,10 @@
 """Kill the training job (SIGKILL) mid-run and inside a checkpoint save; each resume continues from the
-latest COMPLETE checkpoint, and the RL metrics equal those of an uninterrupted run with the same seed.
-The same holds for a pipeline-parallel job under torchrun (2 gloo ranks, the whole process group killed)."""
+latest COMPLETE checkpoint, says which, and the RL metrics equal those of an uninterrupted run with the same
+seed, one row per step. The same holds for a pipeline-parallel job under torchrun (2 gloo ranks, the
+launcher's process group killed: the workers die with it), whose progress lines reach the --tee log whole."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,28 +25,60 @@ PIPELINE = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeli
 
 
 def start(folder, env=None, pipeline=False):
-    """The job as one process, or (pipeline) as 2 torchrun ranks in their own process group."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] if pipeline \
-        else [sys.executable]
+    """The job as one process, or (pipeline) as 2 torchrun ranks (as run_train.sh starts them), the launcher
+    in a process group of its own."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "--local-ranks-filter", "0", "--role", "rank", "--tee", "3"] if pipeline else [sys.executable]
     return subprocess.Popen([*launcher, "-m", "titan_draft.train", *TINY, *(PIPELINE if pipeline else []),
                              "--job.dump_folder", str(folder)],
                             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def kill_after_first_rl_step(run, folder):
-    """SIGKILL the job's whole process group as soon as its first RL step is logged (like a lost machine)."""
+    """SIGKILL the job's process group as soon as its first RL step is logged (like `kill -9 -- -<pgid>`);
+    every process the job started must be gone within seconds."""
     deadline = time.monotonic() + 240
     while 1 not in rl_metrics(folder):
         assert run.poll() is None and time.monotonic() < deadline, "the run ended before its first RL step"
         time.sleep(0.2)
+    workers = children(run.pid)
     os.killpg(run.pid, signal.SIGKILL)
     run.wait()
+    deadline = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{pid}") and not zombie(pid) for pid in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived their launcher"
+        time.sleep(0.05)
+
+
+def children(pid: int) -> list[int]:
+    ppid_of = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid_of[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            pass
+    return [child for child, parent in ppid_of.items() if parent == pid]
+
+
+def zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
 
 
 def finish(process, timeout=240):
-    _, err = process.communicate(timeout=timeout)
-    return process.returncode, err
+    out, err = process.communicate(timeout=timeout)
+    return process.returncode, out, err
+
+
+def assert_one_row_per_step(folder):
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        keys = [(r["phase"], r["step"]) for r in map(json.loads, f)]
+    assert len(keys) == len(set(keys)), "a resumed run appended the steps it redid again"
 
 
 def rl_metrics(folder) -> dict[int, dict]:
@@ -73,17 +107,20 @@ def test_sigkill_mid_run_and_inside_save_resume_exactly(tmp_path):
     assert killed_at >= 2  # SFT (step-1) and warm-up (step-2) were saved
 
     # 2. Resume; SIGKILL inside the save of RL step 3 (progress id 5): data files written, no .metadata.
-    code, err = finish(start(resumed, {KILL_DURING_SAVE_ENV: "5"}))
+    code, out, err = finish(start(resumed, {KILL_DURING_SAVE_ENV: "5"}))
     assert code == -signal.SIGKILL, err[-2000:]
+    assert out.startswith(f"resuming from {resumed}/checkpoint/step-{killed_at} ("), out[:2000]
     partial = os.path.join(resumed, "checkpoint", "step-5")
     assert os.path.isdir(partial) and os.listdir(partial) and not os.path.exists(os.path.join(partial, ".metadata"))
     assert complete_steps(resumed)[-1] == 4
 
     # 3. Resume from step-4 (RL step 2), not the partial step-5, and run to the end.
-    code, err = finish(start(resumed))
+    code, out, err = finish(start(resumed))
     assert code == 0, err[-2000:]
-    code, err = finish(uninterrupted)
+    assert out.startswith(f"resuming from {resumed}/checkpoint/step-4 (after RL step 2 of 4)\n"), out[:2000]
+    code, _, err = finish(uninterrupted)
     assert code == 0, err[-2000:]
+    assert_one_row_per_step(resumed)
 
     want, got = rl_metrics(reference), rl_metrics(resumed)
     assert sorted(want) == sorted(got) == [1, 2, 3, 4]
@@ -99,10 +136,16 @@ def test_pipeline_parallel_job_killed_resumes_exactly(tmp_path):
     uninterrupted = start(reference, pipeline=True)
     kill_after_first_rl_step(start(resumed, pipeline=True), resumed)
     assert complete_steps(resumed)[-1] >= 2
-    code, err = finish(start(resumed, pipeline=True))
+    code, out, err = finish(start(resumed, pipeline=True))
     assert code == 0, err[-2000:]
-    code, err = finish(uninterrupted)
+    # The killed rank 0 left its dump-folder lock behind; the resume takes it over, saying whose it was.
+    assert "took over the lock of a job that is gone" in err, err[-2000:]
+    code, _, err = finish(uninterrupted)
     assert code == 0, err[-2000:]
+    progress_lines = [line for line in err.splitlines() if "sft: " in line]
+    assert progress_lines and all(re.fullmatch(r"\[rank0\]:sft: \d+/15 \(\d+%\)  .* loss \d\.\d{3}", line)
+                                  for line in progress_lines), progress_lines
+    assert_one_row_per_step(resumed)
     want, got = rl_metrics(reference), rl_metrics(resumed)
     assert sorted(want) == sorted(got) == [1, 2, 3, 4]
     for step in want:

@@ -61,6 +61,32 @@ CASES = [  # (world size, overrides, exact message)
      "comm.init_timeout_seconds / train_timeout_seconds: 300 / 0 must be > 0 seconds"),
     (1, ["--draft.tap_layers", "0", "9"],
      "draft.tap_layers: layer 9 is out of range 0..3 for a 4-layer policy; pick layers in 0..3"),
+    (1, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
+     "parallelism: replicate x tp x cp x pp = 2 does not divide the world size 1; set "
+     "parallelism.tensor_parallel_degree to 1, or run a multiple of 2 processes (NGPU)"),
+    (6, ["--parallelism.tensor_parallel_degree", "4"],
+     "parallelism: replicate x tp x cp x pp = 4 does not divide the world size 6; set "
+     "parallelism.tensor_parallel_degree to 2, or run a multiple of 4 processes (NGPU)"),
+    # Values that used to pass the check and crash after the warm starts, or run silently wrong.
+    (1, ["--rl.lr", "-0.001"], "rl.lr: -0.001 must be > 0 (the policy's learning rate in RL)"),
+    (1, ["--rl.lr", "0"], "rl.lr: 0.0 must be > 0 (the policy's learning rate in RL)"),
+    (1, ["--rl.sft_lr", "-1"], "rl.sft_lr: -1.0 must be > 0 (the policy's learning rate in SFT)"),
+    (1, ["--training.seq_len", "24"],
+     "training.seq_len: 24 cannot hold a sort prompt of 12 tokens with its answer (11) or a rollout of 13 new tokens "
+     "(rollout.max_new_tokens, 0 = answer + 2); use >= 26"),
+    (1, ["--training.seq_len", "22", "--rollout.max_new_tokens", "5"],
+     "training.seq_len: 22 cannot hold a sort prompt of 12 tokens with its answer (11) or a rollout of 5 new tokens "
+     "(rollout.max_new_tokens, 0 = answer + 2); use >= 24"),
+    (1, ["--training.seq_len", "0"], "training.seq_len: 0 must be >= 1"),
+    (1, ["--rollout.max_new_tokens", "-1"],
+     "rollout.max_new_tokens: -1 must be >= 0 (0 = the task's answer length + 2)"),
+    (1, ["--task.alphabet_size", "29"],
+     "task.alphabet_size: 29 letters and 4 special tokens do not fit the policy's vocabulary of 32; use 1..28"),
+    (1, ["--rl.sft_batch_size", "0"], "rl.sft_batch_size: 0 must be >= 1"),
+    (1, ["--rl.clip_eps", "-1"],
+     "rl.clip_eps: -1.0 must be > 0 (the ratio is clipped to 1 - clip_eps .. 1 + clip_eps)"),
+    (1, ["--task.sft_swap_prob", "2"], "task.sft_swap_prob: 2.0 must be a probability in [0, 1]"),
+    (1, ["--task.num_items", "0"], "task.num_items: 0 must be >= 1"),
 ]
 
 
@@ -77,6 +103,37 @@ def test_validate_command_prints_one_line_and_exits_2(capsys):
                               "2"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("config error: parallelism: replicate x tp x cp x pp")
+
+
+def one_line_error(capsys, argv) -> str:
+    """What `python -m titan_draft.validate argv` prints, checked to be one line and exit code 2."""
+    code = validate_cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    return err
+
+
+def test_mistyped_toml_value_is_named_with_its_type(tmp_path, capsys):
+    with open(CONFIG) as f:
+        text = f.read()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace("lr = 6e-4", 'lr = "abc"'))
+    assert one_line_error(capsys, ["--job.config_file", str(bad)]) == \
+        "config error: rl.lr: 'abc' has type str, expected float; fix it in the config file\n"
+    bad.write_text(text.replace("tap_layers = [0, 1, 3]", 'tap_layers = [0, "1"]'))
+    assert one_line_error(capsys, ["--job.config_file", str(bad)]) == \
+        "config error: draft.tap_layers: [0, '1'] has type list, expected list[int]; fix it in the config file\n"
+
+
+def test_missing_or_malformed_config_file_is_one_line(tmp_path, capsys):
+    missing = tmp_path / "missing.toml"
+    assert one_line_error(capsys, ["--job.config_file", str(missing)]) == \
+        f"config error: job.config_file: cannot read {missing} (No such file or directory)\n"
+    malformed = tmp_path / "malformed.toml"
+    malformed.write_text("[rl\nlr = 1\n")
+    assert one_line_error(capsys, [f"--job.config_file={malformed}"]) == \
+        f"config error: job.config_file: {malformed} is not valid TOML: Expected ']' at the end of a table " \
+        "declaration (at line 1, column 4)\n"
 
 
 def test_training_job_rejects_before_any_process_group(monkeypatch):

@@ -15,14 +15,23 @@ CheckpointManager only considers step folders that contain `.metadata` (_find_lo
 killed midway leaves a folder without `.metadata`, which the resume ignores; before saving step N
 again, a stale step-N folder is removed so that an old `.metadata` never vouches for new data.
 
+Intact: after DCP's files, `checksums.json` (written atomically, last) records every file's size and
+SHA-256 and the settings a resume must share (SETTINGS). A step folder counts as complete only with both
+`.metadata` and `checksums.json`. The resume compares the settings first (a mismatch is one line naming
+the key), then verifies the files, and falls back past a damaged checkpoint to the previous complete
+one with a warning naming the file. Ranks hash and verify disjoint shares of the files.
+
 When to save is decided here ([checkpoint] interval counts RL steps; phase ends always save), so
 the manager runs with interval 1. Its last-step save (model-only by default, which would drop the
 draft and the RL state) is never used: every save, the final one included, is a full one.
 """
 import dataclasses
+import hashlib
+import json
 import os
 import shutil
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -31,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
+from titan_draft.config import ConfigError, tap_layers
 from torchtitan.components.checkpoint import CheckpointManager, ModelWrapper
 
 # Phases in the order the job runs them; TrainState.phase is the last one finished.
@@ -39,6 +49,9 @@ NOT_STARTED, SFT_DONE, WARMUP_DONE, IN_RL = 0, 1, 2, 3
 # Test hook: SIGKILL this process inside the save of this progress step, after the data files and
 # before `.metadata` (tests/test_checkpoint_resume.py).
 KILL_DURING_SAVE_ENV = "TITAN_DRAFT_TEST_KILL_DURING_SAVE"
+
+MANIFEST = "checksums.json"
+PHASE_NAMES = {SFT_DONE: "SFT", WARMUP_DONE: "the draft warm-up"}
 
 
 class TrainState(Stateful):
@@ -108,6 +121,8 @@ class JobCheckpoint:
             self.states.pop(unused)
         self.enabled, self.load_step = cfg.checkpoint.enable, cfg.checkpoint.load_step
         self.interval, self.total_rl_steps = cfg.checkpoint.interval, cfg.training.steps
+        self.settings = job_settings(cfg, len(policy.layers), draft.args)
+        self._resume_step = None  # chosen once, by resume_phase()
 
     def track(self, **states: Stateful) -> None:
         self.states.update(states)
@@ -122,11 +137,14 @@ class JobCheckpoint:
                 self.states.pop(name, None)
 
     def resume_phase(self) -> int:
-        """The phase of the latest complete checkpoint (NOT_STARTED if none); reads only its TrainState."""
+        """The phase of the latest complete, intact checkpoint (NOT_STARTED if none); reads only its
+        TrainState, and says which checkpoint the job resumes from."""
         step = self._load_step()
         if step == -1:
             return NOT_STARTED
-        dcp.load({"train_state": self.train_state}, checkpoint_id=self.manager._create_checkpoint_id(step))
+        folder = self.manager._create_checkpoint_id(step)
+        dcp.load({"train_state": self.train_state}, checkpoint_id=folder)
+        _say(resume_message(folder, self.train_state, self.total_rl_steps))
         return self.train_state.phase
 
     def load(self) -> None:
@@ -134,9 +152,27 @@ class JobCheckpoint:
         self.manager.load(step=self._load_step())
 
     def _load_step(self) -> int:
+        if self._resume_step is None:
+            self._resume_step = self._find_intact_step()
+        return self._resume_step
+
+    def _find_intact_step(self) -> int:
+        """[checkpoint] load_step if intact, else the newest intact step (-1: none)."""
         if not self.enabled:
             return -1
-        return self.load_step if self.load_step != -1 else self.manager._find_load_step()
+        if self.load_step != -1:
+            folder = self.manager._create_checkpoint_id(self.load_step)
+            problem = check_checkpoint(folder, self.settings)
+            if problem is not None:
+                raise ConfigError(f"checkpoint.load_step: {problem}; pick another step, or -1 for the newest intact "
+                                  "one")
+            return self.load_step
+        for step in sorted(complete_steps(self.manager.folder), reverse=True):
+            problem = check_checkpoint(self.manager._create_checkpoint_id(step), self.settings)
+            if problem is None:
+                return step
+            _warn(f"{problem}; falling back to the previous complete checkpoint")
+        return -1
 
     def save(self, phase: int, rl_step: int = 0) -> None:
         """Record the progress and save: phase ends always, RL steps at [checkpoint] interval and the last."""
@@ -155,9 +191,122 @@ class JobCheckpoint:
         if os.environ.get(KILL_DURING_SAVE_ENV) == str(step):
             _kill_before_metadata()
         self.manager.save(step)
+        write_manifest(folder, self.settings)
 
     def close(self) -> None:
         self.manager.close()
+
+
+def job_settings(cfg, n_layers: int, draft_args) -> dict:
+    """What a resume must share with the job that saved: every saved tensor's shape and which rank saved
+    what (the RNG states are per rank)."""
+    p = cfg.parallelism
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.context_parallel_degree * \
+        p.pipeline_parallel_degree
+    shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree != -1 else world_size // others
+    return {"model.name": cfg.model.name, "model.flavor": cfg.model.flavor, "world size (NGPU)": world_size,
+            "parallelism.data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+            "parallelism.data_parallel_shard_degree": shard,
+            "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
+            "parallelism.context_parallel_degree": p.context_parallel_degree,
+            "parallelism.pipeline_parallel_degree": p.pipeline_parallel_degree,
+            "draft.tap_layers": tap_layers(cfg, n_layers), "draft.vocab_size": draft_args.draft_vocab_size,
+            "draft.n_heads": draft_args.n_heads, "draft.n_kv_heads": draft_args.n_kv_heads, "task.name": cfg.task.name}
+
+
+def complete_steps(checkpoint_folder: str) -> list[int]:
+    """Steps whose DCP save finished (`.metadata` written), as torchtitan counts them."""
+    if not os.path.isdir(checkpoint_folder):
+        return []
+    return [int(name[5:]) for name in os.listdir(checkpoint_folder) if name.startswith("step-") and name[5:].isdigit()
+            and os.path.isfile(os.path.join(checkpoint_folder, name, ".metadata"))]
+
+
+def check_checkpoint(folder: str, settings: dict | None = None) -> str | None:
+    """None if `folder` is a complete, intact checkpoint; else what is wrong, naming the file. Raises
+    ConfigError when it was saved with other `settings` (job_settings)."""
+    if not os.path.isfile(os.path.join(folder, ".metadata")):
+        return f"checkpoint {folder} is incomplete (no .metadata)"
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return f"checkpoint {folder} has no readable {MANIFEST} (its save did not finish)"
+    for key, value in (settings or {}).items():
+        saved = manifest["settings"].get(key, value)
+        if saved != value:
+            raise ConfigError(f"{key}: the checkpoint {folder} was saved with {saved!r}, this job has {value!r}; "
+                              "resume with the same setting, or use another job.dump_folder")
+    names = sorted(manifest["files"])
+    rank, world_size = _rank_and_size()
+    problems = _gather({name: _file_problem(os.path.join(folder, name), manifest["files"][name])
+                        for name in names[rank::world_size]})
+    return next((problems[name] for name in names if problems[name] is not None), None)
+
+
+def write_manifest(folder: str, settings: dict) -> None:
+    """Every file's size and SHA-256, and the job's settings, into `folder`/checksums.json (atomically)."""
+    names = sorted(name for name in os.listdir(folder) if os.path.isfile(os.path.join(folder, name)))
+    rank, world_size = _rank_and_size()
+    files = _gather({name: _file_record(os.path.join(folder, name)) for name in names[rank::world_size]})
+    if rank == 0:
+        tmp = os.path.join(folder, MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"settings": settings, "files": files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(folder, MANIFEST))
+    if world_size > 1:
+        dist.barrier()
+
+
+def resume_message(folder: str, state: TrainState, total_rl_steps: int) -> str:
+    if state.phase < IN_RL:
+        return f"resuming from {folder} (after {PHASE_NAMES[state.phase]})"
+    if state.rl_step >= total_rl_steps:
+        return (f"already done: {folder} holds RL step {state.rl_step} of {total_rl_steps} (training.steps); "
+                "raise training.steps to train further")
+    return f"resuming from {folder} (after RL step {state.rl_step} of {total_rl_steps})"
+
+
+def _file_record(path: str) -> dict:
+    with open(path, "rb") as f:
+        return {"size": os.path.getsize(path), "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def _file_problem(path: str, record: dict) -> str | None:
+    if not os.path.isfile(path):
+        return f"checkpoint file {path} is missing"
+    actual = _file_record(path)
+    if actual["size"] != record["size"]:
+        return f"checkpoint file {path} has {actual['size']} bytes, {record['size']} were saved"
+    if actual["sha256"] != record["sha256"]:
+        return f"checkpoint file {path} is damaged (its SHA-256 differs from the one recorded at save)"
+    return None
+
+
+def _rank_and_size() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _gather(share: dict) -> dict:
+    """The union of every rank's `share`."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return share
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, share)
+    return {k: v for s in shares for k, v in s.items()}
+
+
+def _say(message: str) -> None:
+    if _rank_and_size()[0] == 0:
+        print(message, flush=True)
+
+
+def _warn(message: str) -> None:
+    if _rank_and_size()[0] == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _kill_before_metadata() -> None:

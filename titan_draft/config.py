@@ -5,6 +5,10 @@ torchtitan merges this module's `JobConfig` into its own when a TOML file (or th
 [rl] or [rollout]; torchtitan's own sections ([model], [training], [parallelism], ...) keep their
 meaning.
 """
+import dataclasses
+import math
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -124,6 +128,7 @@ def validate(cfg, world_size: int) -> None:
         if not ok:
             raise ConfigError(msg)
 
+    _check_types(cfg, "", need)  # first: the checks below compare numbers
     d, rl, ro, p = cfg.draft, cfg.rl, cfg.rollout, cfg.parallelism
     layers = tap_layers(cfg.draft, n_layers)
     for layer in layers:
@@ -141,6 +146,19 @@ def validate(cfg, world_size: int) -> None:
     need(ro.num_speculative_tokens >= 1, f"rollout.num_speculative_tokens: {ro.num_speculative_tokens} must be >= 1")
     need(ro.temperature >= 0, f"rollout.temperature: {ro.temperature} must be >= 0 (0 = greedy)")
     need(0 < ro.top_p <= 1, f"rollout.top_p: {ro.top_p} must be in (0, 1]")
+    need(ro.max_new_tokens >= 0, f"rollout.max_new_tokens: {ro.max_new_tokens} must be >= 0 (0 = the task's "
+         "answer length + 2)")
+    need(rl.lr > 0, f"rl.lr: {rl.lr} must be > 0 (the policy's learning rate in RL)")
+    need(rl.sft_lr > 0, f"rl.sft_lr: {rl.sft_lr} must be > 0 (the policy's learning rate in SFT)")
+    need(rl.sft_batch_size >= 1, f"rl.sft_batch_size: {rl.sft_batch_size} must be >= 1")
+    need(rl.clip_eps > 0, f"rl.clip_eps: {rl.clip_eps} must be > 0 (the ratio is clipped to 1 - clip_eps .. "
+         "1 + clip_eps)")
+    t = cfg.task
+    need(0 <= t.sft_swap_prob <= 1, f"task.sft_swap_prob: {t.sft_swap_prob} must be a probability in [0, 1]")
+    if t.name == "sort":
+        need(t.num_items >= 1, f"task.num_items: {t.num_items} must be >= 1")
+        need(1 <= t.alphabet_size <= vocab_size - 4, f"task.alphabet_size: {t.alphabet_size} letters and 4 special "
+             f"tokens do not fit the policy's vocabulary of {vocab_size}; use 1..{vocab_size - 4}")
 
     degrees = {
         "parallelism.data_parallel_replicate_degree": p.data_parallel_replicate_degree,
@@ -153,19 +171,80 @@ def validate(cfg, world_size: int) -> None:
         need(value >= 1, f"{key}: {value} must be >= 1")
         product *= value
     shard = p.data_parallel_shard_degree
-    if shard == -1:
-        need(world_size % product == 0, f"parallelism: replicate x tp x cp x pp = {product} does not divide "
-             f"the world size {world_size}; change the degrees or NGPU")
-    else:
-        need(shard >= 1 and shard * product == world_size,
-             f"parallelism.data_parallel_shard_degree: {shard} x (replicate x tp x cp x pp = {product}) "
-             f"= {shard * product} != world size {world_size}; set it to {world_size // product} or -1")
+    need(world_size % product == 0, f"parallelism: replicate x tp x cp x pp = {product} does not divide "
+         f"the world size {world_size}; {_degree_fix(degrees, world_size)}")
+    need(shard == -1 or shard * product == world_size,
+         f"parallelism.data_parallel_shard_degree: {shard} x (replicate x tp x cp x pp = {product}) "
+         f"= {shard * product} != world size {world_size}; set it to {world_size // product} or -1")
     cp = p.context_parallel_degree
+    seq = cfg.training.seq_len
+    need(seq >= 1, f"training.seq_len: {seq} must be >= 1")
+    if (lengths := task_lengths(cfg.task)) is not None:
+        prompt, answer = lengths
+        budget = ro.max_new_tokens or answer + 2
+        longest = prompt + max(answer, budget)
+        need(seq >= longest, f"training.seq_len: {seq} cannot hold a {cfg.task.name} prompt of {prompt} tokens with "
+             f"its answer ({answer}) or a rollout of {budget} new tokens (rollout.max_new_tokens, 0 = answer + 2); use "
+             f">= {-(-longest // (2 * cp)) * 2 * cp}")
     need(cfg.training.seq_len % (2 * cp) == 0, f"training.seq_len: {cfg.training.seq_len} is not divisible by "
          f"2 * context_parallel_degree = {2 * cp}; use a multiple of {2 * cp}")
     pp = p.pipeline_parallel_degree
     need(pp <= n_layers, f"parallelism.pipeline_parallel_degree: {pp} exceeds the policy's {n_layers} layers")
     _validate_composition(cfg, world_size, args, need)
+
+
+def task_lengths(task) -> tuple[int, int] | None:
+    """(prompt, answer) token counts of the task's longest document, from its [task] section; None when
+    only the task's data knows them."""
+    if task.name == "sort":
+        return task.num_items + 2, task.num_items + 1  # BOS letters SEP | sorted letters EOS
+    return None
+
+
+def _degree_fix(degrees: dict, world_size: int) -> str:
+    """A change that makes the degrees' product divide the world size: the largest degree brought down to
+    a divisor of itself (which still divides what it divided), else a multiple of the product as the world size."""
+    key = max(degrees, key=degrees.get)
+    others = 1
+    for name, value in degrees.items():
+        others *= value if name != key else 1
+    if world_size % others == 0:
+        fit = math.gcd(degrees[key], world_size // others)
+        return f"set {key} to {fit}, or run a multiple of {others * degrees[key]} processes (NGPU)"
+    return f"run a multiple of {others * degrees[key]} processes (NGPU)"
+
+
+def _check_types(section, prefix: str, need) -> None:
+    """Every value has its field's type: torchtitan passes TOML values on unchecked (tyro only warns)."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        value, key = getattr(section, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            _check_types(value, key + ".", need)
+        else:
+            need(_has_type(value, hints[f.name]), f"{key}: {value!r} has type {type(value).__name__}, expected "
+                 f"{_type_name(hints[f.name])}; fix it in the config file")
+
+
+def _has_type(value, hint) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, a) for a in args)
+    if origin is Literal:
+        return value in args
+    if origin is list:
+        return isinstance(value, list) and all(_has_type(v, args[0]) for v in value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return not isinstance(hint, type) or isinstance(value, hint)
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    return getattr(hint, "__name__", str(hint)) if isinstance(hint, type) else str(hint)
 
 
 def _validate_composition(cfg, world_size: int, args, need) -> None:

@@ -28,6 +28,7 @@ from titan_draft.config import ConfigError, parse_config, validate
 from titan_draft.cotrain import DraftOptimizer
 from titan_draft.grpo import group_advantages
 from titan_draft.job import Job, build_job, warm_start
+from titan_draft.job_guard import die_with_launcher, lock_dump_folder
 from titan_draft.metrics import MetricsLogger
 from titan_draft.parallel.parallelize import (build_parallel_dims, compute_dtype, describe_rank, dp_rank_and_degree,
                                               init_process_group, mean_over_dp, set_collective_timeout, sum_over_dp)
@@ -190,9 +191,11 @@ def _dump_samples(s: RLState, r: Rollouts, step: int) -> None:
 
 
 def main(argv: list[str]) -> None:
+    die_with_launcher()  # torchrun's workers live in sessions of their own
     cfg = parse_config(argv)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     validate(cfg, world_size)  # before any process group
+    lock_dump_folder(cfg.job.dump_folder)  # rank 0: one job per dump folder
     init_process_group(cfg)
     dims = build_parallel_dims(cfg, world_size) if world_size > 1 else None
     try:
