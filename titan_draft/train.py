@@ -25,11 +25,12 @@ import torch.distributed as dist
 
 from titan_draft import _compat
 from titan_draft.checkpoint import IN_RL, SFT_DONE, WARMUP_DONE, JobCheckpoint, OptimizerState
-from titan_draft.config import parse_config, tap_layers, validate
+from titan_draft.config import parse_config, validate
 from titan_draft.cotrain import DraftOptimizer, draft_loss
 from titan_draft.grpo import group_advantages, grpo_objective, next_token_logprobs, rollout_batch
 from titan_draft.metrics import MetricsLogger
-from titan_draft.models.draft import EagleDraft, draft_args_for
+from titan_draft.models import build_models
+from titan_draft.models.draft import EagleDraft
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.parallel import apply_context_parallel
 from titan_draft.parallel.parallelize import (build_parallel_dims, cp_mesh, describe_rank, dp_rank_and_degree,
@@ -41,18 +42,6 @@ from titan_draft.rollout import RolloutEngine
 from titan_draft.task import SortTask
 from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draft
 from torchtitan.components.checkpoint import ModelWrapper
-
-
-def build_models(cfg, device):
-    """Policy and draft, initialised from the config's seed."""
-    max_len = cfg.training.seq_len
-    args = model_args(cfg.model.name, cfg.model.flavor, max_len)
-    policy = build_policy(cfg.model.name, cfg.model.flavor, max_len, seed=cfg.debug.seed)
-    layers = tap_layers(cfg, args.n_layers)
-    d = cfg.draft
-    draft = EagleDraft(draft_args_for(args, len(layers), d.vocab_size, d.n_heads, d.n_kv_heads)).to(device)
-    draft.init_weights()
-    return args, policy, draft, layers
 
 
 @dataclass
