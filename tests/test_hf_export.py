@@ -4,6 +4,7 @@ tokenizer comes along; the exported EAGLE-3 draft, read by a loader written here
 tap-layer id rule (re-implemented here from its code) feeds the draft exactly the trained taps; the
 draft loads back through titan_draft.eagle3.load_draft (--draft.init_path) bit for bit, and refuses a
 draft it cannot take or a checkpoint saved before the draft warm-up, in one line per problem."""
+import contextlib
 import json
 import os
 import subprocess
@@ -27,7 +28,8 @@ from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.packing import pack
 
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "train_configs", "sort_tiny_cpu.toml")
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+CONFIG = os.path.join(ROOT, "train_configs", "sort_tiny_cpu.toml")
 JOB = ["--job.config_file", CONFIG, "--model.flavor", "tiny_gqa", "--training.seq_len", "32",
        "--draft.tap_layers", "0", "1", "2", "--draft.vocab_size", "12", "--debug.seed", "4"]
 
@@ -172,17 +174,25 @@ def sglang_capture(config: dict, n_layers: int) -> list[int]:
     return [2, n_layers // 2, n_layers - 3] if ids is None else [val + 1 for val in ids]
 
 
-def engine_aux_hidden_states(policy, batch, capture: list[int]) -> torch.Tensor:
-    """What both engines' LlamaModel.forward hand the draft: for i in range(L), if i in capture, the
-    state entering layer i, in layer order, each layer once; concatenated as fc reads them."""
+def layer_inputs(policy, batch, recorders: list[TapRecorder]) -> list[torch.Tensor]:
+    """One forward: the state entering each decoder layer ([T, H], layer order); `recorders` record too."""
     entering = {}
     hooks = [layer.register_forward_pre_hook(lambda _m, inputs, i=int(i): entering.__setitem__(i, inputs[0]))
              for i, layer in policy.layers.items()]
-    with torch.no_grad():
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        for recorder in recorders:
+            stack.enter_context(recorder)
         forward_packed(policy, batch)
     for hook in hooks:
         hook.remove()
-    return torch.cat([entering[i].flatten(0, 1) for i in range(len(policy.layers)) if i in capture], dim=-1)
+    return [entering[i].flatten(0, 1) for i in range(len(policy.layers))]
+
+
+def engine_aux_hidden_states(entering: list[torch.Tensor], capture: list[int]) -> torch.Tensor:
+    """What both engines' LlamaModel.forward hand the draft: for i in range(L), if i in capture, the
+    state entering layer i (hidden_states + residual), in layer order, each layer once; concatenated
+    as fc reads them."""
+    return torch.cat([entering[i] for i in range(len(entering)) if i in capture], dim=-1)
 
 
 ENGINE_RULES = {"vllm": [vllm_capture, vllm_capture_with_eagle_config_fallback], "sglang": [sglang_capture]}
@@ -192,27 +202,26 @@ ENGINE_RULES = {"vllm": [vllm_capture, vllm_capture_with_eagle_config_fallback],
 def test_each_engine_feeds_the_draft_exactly_the_trained_taps(model_name):
     policy = build_policy(model_name, "small", 16, seed=0, device="cpu")
     n_layers = len(policy.layers)
-    batch = packed_documents(32)
     default = default_tap_layers(n_layers)
     assert engine_default_taps(n_layers) == default == [1, 3, 4]
-    for taps in (default, [0, 2, n_layers - 2]):
-        with TapRecorder(policy, taps) as recorder, torch.no_grad():
-            forward_packed(policy, batch)
-        trained = recorder.taps()
+    recorders = [TapRecorder(policy, default), TapRecorder(policy, [0, 2, n_layers - 2])]
+    entering = layer_inputs(policy, packed_documents(32), recorders)
+    for recorder in recorders:
+        taps, trained = recorder.layer_ids, recorder.taps()
         for engine, rules in ENGINE_RULES.items():
             config = tap_layer_ids(taps, n_layers, engine)
             for rule in rules:
-                assert torch.equal(engine_aux_hidden_states(policy, batch, rule(config, n_layers)), trained), \
+                assert torch.equal(engine_aux_hidden_states(entering, rule(config, n_layers)), trained), \
                     (engine, rule.__name__, taps)
         if taps == default:  # no ids: right for every engine
             config = tap_layer_ids(taps, n_layers)
             assert IDS_KEY not in config and IDS_KEY not in config["eagle_config"]
             for rule in [*ENGINE_RULES["vllm"], *ENGINE_RULES["sglang"]]:
-                assert torch.equal(engine_aux_hidden_states(policy, batch, rule(config, n_layers)), trained)
-        else:  # the conventions really differ: one engine's ids are wrong for the other
+                assert torch.equal(engine_aux_hidden_states(entering, rule(config, n_layers)), trained)
+        else:  # the conventions really differ: SGLang's ids read by a vLLM that looks in eagle_config
             sglang_ids = tap_layer_ids(taps, n_layers, "sglang")
-            assert not torch.equal(engine_aux_hidden_states(policy, batch, vllm_capture_with_eagle_config_fallback(
-                sglang_ids, n_layers)), trained)
+            assert not torch.equal(engine_aux_hidden_states(
+                entering, vllm_capture_with_eagle_config_fallback(sglang_ids, n_layers)), trained)
 
 
 def test_export_refuses_taps_an_engine_cannot_feed():
@@ -305,11 +314,13 @@ def test_export_draft_command_refuses_a_checkpoint_before_the_draft_warmup(tmp_p
     args, draft = trained_like_draft(cfg)
     step = tmp_path / "checkpoint" / "step-1"
     save_job_checkpoint(step, draft, torch.randn(args.vocab_size, args.dim), SFT_DONE)
-    with pytest.raises(ConfigError) as error:
-        export_draft_main(["--checkpoint", str(step), "--output", str(tmp_path / "out"), "--engine", "vllm", *JOB])
-    assert str(error.value) == (f"--checkpoint {step}: holds phase SFT_DONE (the policy after SFT, draft not warmed "
-                                f"up), its draft is untrained; export a checkpoint from after the draft warm-up "
-                                f"(step-{WARMUP_DONE} or later), or resume the job until the warm-up ends")
+    command = [sys.executable, "-m", "titan_draft.export_draft", "--checkpoint", str(step), "--output",
+               str(tmp_path / "out"), "--engine", "vllm", *JOB]
+    refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and refused.stderr == (
+        f"export_draft: --checkpoint {step}: holds phase SFT_DONE (the policy after SFT, draft not warmed up), its "
+        f"draft is untrained; export a checkpoint from after the draft warm-up (step-{WARMUP_DONE} or later), or "
+        f"resume the job until the warm-up ends\n")  # one line, no traceback
     assert not (tmp_path / "out").exists()
 
 
@@ -320,24 +331,16 @@ RUN = ["--job.config_file", CONFIG, "--model.flavor", "tiny_gqa", "--training.se
 
 
 def test_export_of_a_real_job_checkpoint_loads_back_and_refuses_its_sft_step(tmp_path):
-    """A short real job (SFT -> step-1, warm-up -> step-2, one RL step -> step-3), then the command line."""
-    root = os.path.join(os.path.dirname(__file__), "..")
+    """A short real job (SFT -> step-1, warm-up -> step-2, one RL step -> step-3), then the exporter."""
     job = subprocess.run([sys.executable, "-m", "titan_draft.train", *RUN, "--job.dump_folder", str(tmp_path / "job")],
-                         cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                          timeout=300)
     assert job.returncode == 0, job.stderr[-3000:]
     checkpoints = tmp_path / "job" / "checkpoint"
-    export = [sys.executable, "-m", "titan_draft.export_draft", "--output", str(tmp_path / "out"), *RUN]
+    with pytest.raises(ConfigError, match=f"^--checkpoint {checkpoints / 'step-1'}: holds phase SFT_DONE"):
+        export_draft_main(["--checkpoint", str(checkpoints / "step-1"), "--output", str(tmp_path / "out"), *RUN])
 
-    refused = subprocess.run([*export, "--checkpoint", str(checkpoints / "step-1")], cwd=root, capture_output=True,
-                             text=True, timeout=300)
-    assert refused.returncode == 1 and refused.stderr.startswith(
-        f"export_draft: --checkpoint {checkpoints / 'step-1'}: holds phase SFT_DONE"), refused.stderr[-3000:]
-    assert refused.stderr.count("\n") == 1 and not (tmp_path / "out").exists()  # one line, no traceback
-
-    done = subprocess.run([*export, "--checkpoint", str(checkpoints), "--engine", "sglang"], cwd=root,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    export_draft_main(["--checkpoint", str(checkpoints), "--output", str(tmp_path / "out"), "--engine", "sglang", *RUN])
     cfg = parse_config(RUN)
     args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
     trained, layers = build_draft(cfg, args, torch.device("cpu"))
