@@ -20,16 +20,16 @@ vLLM vllm/model_executor/models/llama_eagle3.py (vllm-project/vllm 00bd149):
   torchtitan's interleaved pairs, so q_proj / k_proj rows are permuted on the way out (and back on
   the way in) exactly as torchtitan's Llama3StateDictAdapter does for the policy's wq / wk.
 
-Tap layer ids. Here tap i is the OUTPUT of decoder layer i (models/policy.py TapRecorder). Both engines
-instead capture the residual stream ENTERING a decoder layer (hidden_states + residual, just before
+Tap layer ids. Here tap i is the output of decoder layer i (models/policy.py TapRecorder). Both engines
+instead capture the residual stream entering a decoder layer (hidden_states + residual, just before
 layer j runs, j in layer order, each layer once), i.e. the output of layer j - 1. What they read:
 - vLLM (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py da84445 get_eagle3_aux_layers_from_config,
   vllm/v1/worker/gpu_model_runner.py 4e17906 _get_eagle3_aux_layers_from_config,
   vllm/model_executor/models/llama.py e06c9ba LlamaModel.forward / get_eagle3_aux_hidden_state_layers):
-  ids from the draft config's TOP-LEVEL `eagle_aux_hidden_state_layer_ids` (some versions then fall
+  ids from the top level of the draft config, `eagle_aux_hidden_state_layer_ids` (some versions then fall
   back to `eagle_config.eagle_aux_hidden_state_layer_ids`), used as they are: id j = output of layer
   j - 1. No ids: the target's default (2, L//2, L-3). So tap t is written as t + 1, top level.
-- SGLang (python/sglang/srt/model_executor/model_runner.py, init reads
+- SGLang (python/sglang/srt/model_executor/model_runner.py 0005834 __init__ reads
   `eagle_config["eagle_aux_hidden_state_layer_ids"]` only; python/sglang/srt/models/llama.py bf7a0e2
   LlamaModel.forward / set_eagle3_layers_to_capture, the same in qwen3.py): explicit ids get + 1
   ("for the ith layer, it takes the output of the (i-1)th layer"), so id t = output of layer t.
@@ -72,9 +72,9 @@ def tap_layer_ids(tap_layers: list[int], n_layers: int, engine: str = BOTH_ENGIN
         raise ConfigError(f"draft.tap_layers: SGLang and vLLM read exactly {ENGINE_TAPS} tap layers, this draft has "
                           f"{len(taps)} ({taps}); train with three tap layers to export")
     if taps != sorted(set(taps)) or not 0 <= taps[0] <= taps[-1] <= n_layers - 2:
-        raise ConfigError(f"draft.tap_layers: {taps} cannot be fed by SGLang or vLLM to a {n_layers}-layer policy: they "
-                          f"capture the state entering a decoder layer, so only distinct ascending outputs of layers "
-                          f"0..{n_layers - 2} (not the last layer's); train with such taps to export")
+        raise ConfigError(f"draft.tap_layers: {taps} cannot be fed by SGLang or vLLM to a {n_layers}-layer policy: "
+                          f"they capture the state entering a decoder layer, so only distinct ascending outputs of "
+                          f"layers 0..{n_layers - 2} (not the last layer's); train with such taps to export")
     eagle_config = {"use_aux_hidden_state": True}
     if engine == VLLM:
         return {IDS_KEY: [t + 1 for t in taps], "eagle_config": eagle_config}

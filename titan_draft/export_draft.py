@@ -22,7 +22,8 @@ from titan_draft.eagle3 import BOTH_ENGINES, ENGINES, export_draft, tap_layer_id
 from titan_draft.models import build_draft
 from titan_draft.models.policy import model_args
 
-PHASES = {NOT_STARTED: "NOT_STARTED (nothing trained)", SFT_DONE: "SFT_DONE (the policy after SFT, draft not warmed up)",
+PHASES = {NOT_STARTED: "NOT_STARTED (nothing trained)",
+          SFT_DONE: "SFT_DONE (the policy after SFT, draft not warmed up)",
           WARMUP_DONE: "WARMUP_DONE (the draft after its warm-up)", IN_RL: "IN_RL (co-training)"}
 
 
@@ -30,6 +31,8 @@ def checkpoint_step_folder(path: str) -> str:
     """`path` itself if it is a complete DCP checkpoint, else its latest complete step-N folder."""
     if os.path.isfile(os.path.join(path, ".metadata")):
         return path
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--checkpoint {path}: no such folder; give a job's checkpoint folder or a step-N in it")
     steps = [int(name[5:]) for name in os.listdir(path) if name.startswith("step-") and name[5:].isdigit()
              and os.path.isfile(os.path.join(path, name, ".metadata"))]
     if not steps:
