@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from titan_draft import _compat  # noqa: F401
 from titan_draft.checkpoint import IN_RL, SFT_DONE, WARMUP_DONE, TrainState
@@ -256,6 +256,21 @@ def test_exported_draft_loads_back_bit_exact(tmp_path, engine, taps, n_layers):
     assert mine.keys() == theirs.keys()
     for name, tensor in mine.items():
         assert torch.equal(theirs[name], tensor), name
+
+
+def test_load_draft_rebuilds_the_vocabulary_maps_a_draft_omits(tmp_path):
+    """Both engines skip t2d, and a draft over the whole vocabulary may carry no d2t either."""
+    _, draft = trained_like_draft(parse_config(JOB + ["--draft.vocab_size", "32"]))  # the whole vocabulary
+    export_draft(draft, [0, 1, 2], str(tmp_path / "full"), n_layers=4, engine="sglang")
+    _, partial = trained_like_draft(parse_config(JOB))
+    partial.set_vocab(torch.arange(2, 2 + partial.args.draft_vocab_size))  # a draft vocabulary that is not a prefix
+    export_draft(partial, [0, 1, 2], str(tmp_path / "partial"), n_layers=4, engine="sglang")
+    for folder, dropped, source in (("full", ("d2t", "t2d"), draft), ("partial", ("t2d",), partial)):
+        file = tmp_path / folder / "model.safetensors"
+        save_file({k: v for k, v in load_file(file).items() if k not in dropped}, file)
+        loaded = EagleDraft(source.args)
+        load_draft(loaded, str(tmp_path / folder), [0, 1, 2], n_layers=4)
+        assert torch.equal(loaded.d2t, source.d2t) and torch.equal(loaded.t2d, source.t2d), folder
 
 
 def test_load_draft_names_every_mismatch_in_one_line(tmp_path):
