@@ -293,6 +293,16 @@ def test_load_draft_names_every_mismatch_in_one_line(tmp_path):
         f"{folder}: {IDS_KEY} [1, 2, 3] (vLLM numbering): the draft was trained on the outputs of layers "
         f"[0, 1, 2], this job taps [0, 1, 3]; set --draft.tap_layers 0 1 2")
 
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    config["eagle_config"][IDS_KEY] = [0, 1, 3]  # SGLang numbering, other layers than the top-level ids
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ConfigError) as error:
+        load_draft(EagleDraft(draft.args), folder, [0, 1, 2], n_layers=4)
+    assert str(error.value) == (
+        f"{folder}: {IDS_KEY} [1, 2, 3] (vLLM numbering) and eagle_config.{IDS_KEY} [0, 1, 3] (SGLang numbering) "
+        f"name different layers ([0, 1, 2] vs [0, 1, 3]); keep the one of the engine the draft was trained for")
+
     with pytest.raises(ConfigError) as error:
         load_draft(draft, str(tmp_path), [0, 1, 2], n_layers=4)
     assert str(error.value) == (f"{tmp_path / 'config.json'}: not found; point --draft.init_path at an EAGLE-3 "
