@@ -49,7 +49,8 @@ from _common import (  # noqa: E402
 )
 from cp_attention import local_inputs, time_step  # noqa: E402
 from titan_draft import _compat  # noqa: E402
-from titan_draft.config import default_tap_layers, parse_config  # noqa: E402
+from titan_draft.config import parse_config  # noqa: E402
+from titan_draft.models import default_tap_layers  # noqa: E402
 from titan_draft.cotrain import draft_loss, local_draft_inputs  # noqa: E402
 from titan_draft.models.draft import EagleDraft, draft_args_for  # noqa: E402
 from titan_draft.models.policy import TapRecorder, forward_packed  # noqa: E402

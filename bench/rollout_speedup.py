@@ -21,7 +21,7 @@ import time
 import torch
 
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
-from titan_draft.config import default_tap_layers
+from titan_draft.models import default_tap_layers
 from titan_draft.metrics import MetricsLogger
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import build_policy, model_args

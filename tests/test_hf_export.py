@@ -1,27 +1,38 @@
 """Hugging Face interchange: the policy round-trips through HF safetensors with identical logits, its
-tokenizer comes along, and the exported EAGLE-3 draft, read by a loader written here from the
-engines' layout (SGLang / vLLM llama_eagle3: names, shapes, half-split RoPE), gives the draft's logits."""
+tokenizer comes along; the exported EAGLE-3 draft, read by a loader written here from the engines' layout
+(SGLang / vLLM llama_eagle3: names, shapes, half-split RoPE), gives the draft's logits; each engine's
+tap-layer id rule (re-implemented here from its code) feeds the draft exactly the trained taps; the
+draft loads back through titan_draft.eagle3.load_draft (--draft.init_path) bit for bit, and refuses a
+draft it cannot take or a checkpoint saved before the draft warm-up, in one line per problem."""
+import contextlib
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from titan_draft import _compat  # noqa: F401
-from titan_draft.config import parse_config
+from titan_draft.checkpoint import IN_RL, SFT_DONE, WARMUP_DONE, TrainState
+from titan_draft.config import ConfigError, parse_config
+from titan_draft.models import default_tap_layers
 from titan_draft.cotrain import local_draft_inputs
-from titan_draft.export_draft import export_draft, main as export_draft_main
-from titan_draft.hf import load_draft, load_policy, save_policy
+from titan_draft.eagle3 import IDS_KEY, engine_default_taps, export_draft, load_draft, tap_layer_ids
+from titan_draft.export_draft import main as export_draft_main
+from titan_draft.hf import load_policy, save_policy
+from titan_draft.models import build_draft
 from titan_draft.models.draft import EagleDraft, draft_args_for
-from titan_draft.models.policy import build_policy, forward_packed, model_args
+from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.packing import pack
 
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "train_configs", "sort_tiny_cpu.toml")
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+CONFIG = os.path.join(ROOT, "train_configs", "sort_tiny_cpu.toml")
 JOB = ["--job.config_file", CONFIG, "--model.flavor", "tiny_gqa", "--training.seq_len", "32",
-       "--draft.tap_layers", "0", "1", "3", "--draft.vocab_size", "12", "--debug.seed", "4"]
+       "--draft.tap_layers", "0", "1", "2", "--draft.vocab_size", "12", "--debug.seed", "4"]
 
 
 def packed_documents(vocab: int):
@@ -118,10 +129,11 @@ def test_exported_draft_matches_engine_layout_and_reloads(tmp_path):
     cfg = parse_config(JOB)
     args, draft = trained_like_draft(cfg)
     embed = torch.randn(args.vocab_size, args.dim)
-    export_draft(draft, [0, 1, 3], str(tmp_path / "draft"), embed_tokens=embed)
+    export_draft(draft, [0, 1, 2], str(tmp_path / "draft"), n_layers=args.n_layers, engine="sglang",
+                 embed_tokens=embed)
     config = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
+    assert config["eagle_config"] == {"use_aux_hidden_state": True, IDS_KEY: [0, 1, 2]} and IDS_KEY not in config
     assert (config["vocab_size"], config["draft_vocab_size"]) == (args.vocab_size, cfg.draft.vocab_size)
 
     g = torch.Generator().manual_seed(1)
@@ -138,12 +150,173 @@ def test_exported_draft_matches_engine_layout_and_reloads(tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(target_ids, draft.target_ids()) and torch.equal(saved_embed, embed)
 
+
+# --- each engine's tap-layer id rule, re-implemented from its code -------------------------------------
+def vllm_capture(config: dict, n_layers: int) -> list[int]:
+    """Layers before which vLLM captures the residual stream (hidden_states + residual) for the draft.
+    vllm-project/vllm vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @ da84445 and
+    vllm/v1/worker/gpu_model_runner.py @ 4e17906: the draft config's top-level ids, used as they are;
+    none -> vllm/model_executor/models/llama.py @ e06c9ba get_eagle3_aux_hidden_state_layers."""
+    ids = config.get(IDS_KEY)
+    return list(ids) if ids else [2, n_layers // 2, n_layers - 3]
+
+
+def vllm_capture_with_eagle_config_fallback(config: dict, n_layers: int) -> list[int]:
+    """The vLLM model runners that look in eagle_config when the top level has no ids."""
+    return vllm_capture(config, n_layers) if config.get(IDS_KEY) else \
+        vllm_capture({IDS_KEY: config.get("eagle_config", {}).get(IDS_KEY)}, n_layers)
+
+
+def sglang_capture(config: dict, n_layers: int) -> list[int]:
+    """sgl-project/sglang python/sglang/srt/model_executor/model_runner.py: ids = eagle_config[IDS_KEY]
+    (None if absent); python/sglang/srt/models/llama.py @ bf7a0e2 set_eagle3_layers_to_capture:
+    None -> [2, L//2, L-3], else [val + 1 for val in ids] (qwen3.py the same)."""
+    ids = (config.get("eagle_config") or {}).get(IDS_KEY)
+    return [2, n_layers // 2, n_layers - 3] if ids is None else [val + 1 for val in ids]
+
+
+def layer_inputs(policy, batch, recorders: list[TapRecorder]) -> list[torch.Tensor]:
+    """One forward: the state entering each decoder layer ([T, H], layer order); `recorders` record too."""
+    entering = {}
+    hooks = [layer.register_forward_pre_hook(lambda _m, inputs, i=int(i): entering.__setitem__(i, inputs[0]))
+             for i, layer in policy.layers.items()]
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        for recorder in recorders:
+            stack.enter_context(recorder)
+        forward_packed(policy, batch)
+    for hook in hooks:
+        hook.remove()
+    return [entering[i].flatten(0, 1) for i in range(len(policy.layers))]
+
+
+def engine_aux_hidden_states(entering: list[torch.Tensor], capture: list[int]) -> torch.Tensor:
+    """What both engines' LlamaModel.forward hand the draft: for i in range(L), if i in capture, the
+    state entering layer i (hidden_states + residual), in layer order, each layer once; concatenated
+    as fc reads them."""
+    return torch.cat([entering[i] for i in range(len(entering)) if i in capture], dim=-1)
+
+
+ENGINE_RULES = {"vllm": [vllm_capture, vllm_capture_with_eagle_config_fallback], "sglang": [sglang_capture]}
+
+
+@pytest.mark.parametrize("model_name", ["llama3", "qwen3"])
+def test_each_engine_feeds_the_draft_exactly_the_trained_taps(model_name):
+    policy = build_policy(model_name, "small", 16, seed=0, device="cpu")
+    n_layers = len(policy.layers)
+    default = default_tap_layers(n_layers)
+    assert engine_default_taps(n_layers) == default == [1, 3, 4]
+    recorders = [TapRecorder(policy, default), TapRecorder(policy, [0, 2, n_layers - 2])]
+    entering = layer_inputs(policy, packed_documents(32), recorders)
+    for recorder in recorders:
+        taps, trained = recorder.layer_ids, recorder.taps()
+        for engine, rules in ENGINE_RULES.items():
+            config = tap_layer_ids(taps, n_layers, engine)
+            for rule in rules:
+                assert torch.equal(engine_aux_hidden_states(entering, rule(config, n_layers)), trained), \
+                    (engine, rule.__name__, taps)
+        if taps == default:  # no ids: right for every engine
+            config = tap_layer_ids(taps, n_layers)
+            assert IDS_KEY not in config and IDS_KEY not in config["eagle_config"]
+            for rule in [*ENGINE_RULES["vllm"], *ENGINE_RULES["sglang"]]:
+                assert torch.equal(engine_aux_hidden_states(entering, rule(config, n_layers)), trained)
+        else:  # the conventions really differ: SGLang's ids read by a vLLM that looks in eagle_config
+            sglang_ids = tap_layer_ids(taps, n_layers, "sglang")
+            assert not torch.equal(engine_aux_hidden_states(
+                entering, vllm_capture_with_eagle_config_fallback(sglang_ids, n_layers)), trained)
+
+
+def test_export_refuses_taps_an_engine_cannot_feed():
+    with pytest.raises(ConfigError) as error:
+        tap_layer_ids([0, 2, 5], 8)
+    assert str(error.value) == ("draft.tap_layers: [0, 2, 5] are not the layers SGLang and vLLM feed by default to "
+                                "a 8-layer policy ([1, 3, 4]), and the two engines number explicit ids differently; "
+                                "export with --engine vllm or --engine sglang")
+    with pytest.raises(ConfigError) as error:
+        tap_layer_ids([0, 1, 3], 4, "vllm")  # the default CPU job's taps: 3 is the last layer's output
+    assert str(error.value) == ("draft.tap_layers: [0, 1, 3] cannot be fed by SGLang or vLLM to a 4-layer policy: "
+                                "they capture the state entering a decoder layer, so only distinct ascending outputs "
+                                "of layers 0..2 (not the last layer's); train with such taps to export")
+    with pytest.raises(ConfigError, match="exactly 3 tap layers, this draft has 2"):
+        tap_layer_ids([1, 2], 8, "sglang")
+
+
+# --- load_draft (--draft.init_path) -----------------------------------------------------------------
+@pytest.mark.parametrize("engine,taps,n_layers", [("vllm", [0, 1, 2], 4), ("sglang", [0, 1, 2], 4),
+                                                  ("both", [1, 3, 4], 8)])
+def test_exported_draft_loads_back_bit_exact(tmp_path, engine, taps, n_layers):
+    cfg = parse_config(JOB)
+    _, draft = trained_like_draft(cfg)
+    export_draft(draft, taps, str(tmp_path / "draft"), n_layers=n_layers, engine=engine,
+                 embed_tokens=torch.randn(draft.args.target_vocab_size, draft.args.dim))
     _, other = trained_like_draft(parse_config(JOB + ["--debug.seed", "9"]))
     with torch.no_grad():
         other.fc.weight.zero_()
-    load_draft(other, str(tmp_path / "draft"))
-    for name, tensor in draft.state_dict().items():
-        assert torch.equal(other.state_dict()[name], tensor), name
+        other.set_vocab(torch.arange(cfg.draft.vocab_size))
+    load_draft(other, str(tmp_path / "draft"), taps, n_layers=n_layers)
+    mine, theirs = draft.state_dict(), other.state_dict()
+    assert mine.keys() == theirs.keys()
+    for name, tensor in mine.items():
+        assert torch.equal(theirs[name], tensor), name
+
+
+def test_load_draft_rebuilds_the_vocabulary_maps_a_draft_omits(tmp_path):
+    """Both engines skip t2d, and a draft over the whole vocabulary may carry no d2t either."""
+    _, draft = trained_like_draft(parse_config(JOB + ["--draft.vocab_size", "32"]))  # the whole vocabulary
+    export_draft(draft, [0, 1, 2], str(tmp_path / "full"), n_layers=4, engine="sglang")
+    _, partial = trained_like_draft(parse_config(JOB))
+    partial.set_vocab(torch.arange(2, 2 + partial.args.draft_vocab_size))  # a draft vocabulary that is not a prefix
+    export_draft(partial, [0, 1, 2], str(tmp_path / "partial"), n_layers=4, engine="sglang")
+    for folder, dropped, source in (("full", ("d2t", "t2d"), draft), ("partial", ("t2d",), partial)):
+        file = tmp_path / folder / "model.safetensors"
+        save_file({k: v for k, v in load_file(file).items() if k not in dropped}, file)
+        loaded = EagleDraft(source.args)
+        load_draft(loaded, str(tmp_path / folder), [0, 1, 2], n_layers=4)
+        assert torch.equal(loaded.d2t, source.d2t) and torch.equal(loaded.t2d, source.t2d), folder
+
+
+def test_load_draft_names_every_mismatch_in_one_line(tmp_path):
+    cfg = parse_config(JOB)
+    _, draft = trained_like_draft(cfg)
+    folder = str(tmp_path / "draft")
+    export_draft(draft, [0, 1, 2], folder, n_layers=4, engine="vllm")
+    args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
+
+    narrow = EagleDraft(draft_args_for(args, 3, 10, n_heads=2))
+    with pytest.raises(ConfigError) as error:
+        load_draft(narrow, folder, [0, 1, 2], n_layers=4)
+    assert str(error.value) == (
+        f"{folder}: num_attention_heads is 4, this job's draft has 2; set --draft.n_heads 4\n"
+        f"{folder}: draft_vocab_size is 12, this job's draft has 10; set --draft.vocab_size 12")
+
+    with pytest.raises(ConfigError) as error:
+        load_draft(EagleDraft(draft.args), folder, [0, 1, 3], n_layers=4)
+    assert str(error.value) == (
+        f"{folder}: {IDS_KEY} [1, 2, 3] (vLLM numbering): the draft was trained on the outputs of layers "
+        f"[0, 1, 2], this job taps [0, 1, 3]; set --draft.tap_layers 0 1 2")
+
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    config["eagle_config"][IDS_KEY] = [0, 1, 3]  # SGLang numbering, other layers than the top-level ids
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ConfigError) as error:
+        load_draft(EagleDraft(draft.args), folder, [0, 1, 2], n_layers=4)
+    assert str(error.value) == (
+        f"{folder}: {IDS_KEY} [1, 2, 3] (vLLM numbering) and eagle_config.{IDS_KEY} [0, 1, 3] (SGLang numbering) "
+        f"name different layers ([0, 1, 2] vs [0, 1, 3]); keep the one of the engine the draft was trained for")
+
+    with pytest.raises(ConfigError) as error:
+        load_draft(draft, str(tmp_path), [0, 1, 2], n_layers=4)
+    assert str(error.value) == (f"{tmp_path / 'config.json'}: not found; point --draft.init_path at an EAGLE-3 "
+                                f"draft folder (config.json + *.safetensors)")
+
+
+# --- python -m titan_draft.export_draft ---------------------------------------------------------------
+def save_job_checkpoint(folder, draft, embed, phase: int) -> None:
+    """The parts of a job checkpoint the exporter reads (titan_draft/checkpoint.py names)."""
+    train_state = TrainState()
+    train_state.phase = phase
+    dcp.save({"draft": draft.state_dict(), "tok_embeddings.weight": embed, "train_state": train_state},
+             checkpoint_id=str(folder))
 
 
 def test_export_draft_command_reads_the_latest_complete_checkpoint(tmp_path):
@@ -151,11 +324,54 @@ def test_export_draft_command_reads_the_latest_complete_checkpoint(tmp_path):
     args, draft = trained_like_draft(cfg)
     embed = torch.randn(args.vocab_size, args.dim)
     folder = tmp_path / "checkpoint"
-    dcp.save({"draft": draft.state_dict(), "tok_embeddings.weight": embed}, checkpoint_id=str(folder / "step-3"))
+    save_job_checkpoint(folder / "step-3", draft, embed, IN_RL)
     (folder / "step-7").mkdir()  # an interrupted save: no .metadata
-    export_draft_main(["--checkpoint", str(folder), "--output", str(tmp_path / "out"), *JOB])
+    export_draft_main(["--checkpoint", str(folder), "--output", str(tmp_path / "out"), "--engine", "vllm", *JOB])
     saved = load_file(tmp_path / "out" / "model.safetensors")
     assert torch.equal(saved["lm_head.weight"], draft.lm_head.weight)
     assert torch.equal(saved["embed_tokens.weight"], embed) and torch.equal(saved["d2t"], draft.d2t)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())[IDS_KEY] == [1, 2, 3]
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         export_draft_main(["--checkpoint", str(tmp_path / "out"), "--output", str(tmp_path / "x"), *JOB])
+
+
+def test_export_draft_command_refuses_a_checkpoint_before_the_draft_warmup(tmp_path):
+    cfg = parse_config(JOB)
+    args, draft = trained_like_draft(cfg)
+    step = tmp_path / "checkpoint" / "step-1"
+    save_job_checkpoint(step, draft, torch.randn(args.vocab_size, args.dim), SFT_DONE)
+    command = [sys.executable, "-m", "titan_draft.export_draft", "--checkpoint", str(step), "--output",
+               str(tmp_path / "out"), "--engine", "vllm", *JOB]
+    refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and refused.stderr == (
+        f"export_draft: --checkpoint {step}: holds phase SFT_DONE (the policy after SFT, draft not warmed up), its "
+        f"draft is untrained; export a checkpoint from after the draft warm-up (step-{WARMUP_DONE} or later), or "
+        f"resume the job until the warm-up ends\n")  # one line, no traceback
+    assert not (tmp_path / "out").exists()
+
+
+RUN = ["--job.config_file", CONFIG, "--model.flavor", "tiny_gqa", "--training.seq_len", "16", "--task.num_items", "2",
+       "--task.alphabet_size", "4", "--rl.sft_steps", "4", "--draft.warmup_steps", "2", "--rl.prompts_per_step", "4",
+       "--rl.group_size", "2", "--rl.sft_batch_size", "8", "--training.steps", "1", "--draft.tap_layers", "0", "1", "2",
+       "--checkpoint.enable", "--checkpoint.interval", "1", "--metrics.no-enable-tensorboard"]
+
+
+def test_export_of_a_real_job_checkpoint_loads_back_and_refuses_its_sft_step(tmp_path):
+    """A short real job (SFT -> step-1, warm-up -> step-2, one RL step -> step-3), then the exporter."""
+    job = subprocess.run([sys.executable, "-m", "titan_draft.train", *RUN, "--job.dump_folder", str(tmp_path / "job")],
+                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    checkpoints = tmp_path / "job" / "checkpoint"
+    with pytest.raises(ConfigError, match=f"^--checkpoint {checkpoints / 'step-1'}: holds phase SFT_DONE"):
+        export_draft_main(["--checkpoint", str(checkpoints / "step-1"), "--output", str(tmp_path / "out"), *RUN])
+
+    export_draft_main(["--checkpoint", str(checkpoints), "--output", str(tmp_path / "out"), "--engine", "sglang", *RUN])
+    cfg = parse_config(RUN)
+    args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
+    trained, layers = build_draft(cfg, args, torch.device("cpu"))
+    dcp.load({"draft": trained.state_dict()}, checkpoint_id=str(checkpoints / "step-3"))
+    loaded, _ = build_draft(parse_config(RUN + ["--debug.seed", "5"]), args, torch.device("cpu"))
+    load_draft(loaded, str(tmp_path / "out"), layers, n_layers=args.n_layers)
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name

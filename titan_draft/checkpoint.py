@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
-from titan_draft.config import ConfigError, tap_layers
+from titan_draft.config import ConfigError
+from titan_draft.models import tap_layers
 from torchtitan.components.checkpoint import CheckpointManager, ModelWrapper
 
 # Phases in the order the job runs them; TrainState.phase is the last one finished.
@@ -211,7 +212,7 @@ def job_settings(cfg, n_layers: int, draft_args) -> dict:
             "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
             "parallelism.context_parallel_degree": p.context_parallel_degree,
             "parallelism.pipeline_parallel_degree": p.pipeline_parallel_degree,
-            "draft.tap_layers": tap_layers(cfg, n_layers), "draft.vocab_size": draft_args.draft_vocab_size,
+            "draft.tap_layers": tap_layers(cfg.draft, n_layers), "draft.vocab_size": draft_args.draft_vocab_size,
             "draft.n_heads": draft_args.n_heads, "draft.n_kv_heads": draft_args.n_kv_heads, "task.name": cfg.task.name}
 
 

@@ -1,6 +1,4 @@
-"""The two models of the job: the policy (a torchtitan llama3 / qwen3 model) and the EAGLE-3 draft."""
-import torch
-
+"""The job's two models: the policy (policy.py) and its EAGLE-3 draft (draft.py), built from the job config."""
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import build_policy, model_args
 
@@ -20,12 +18,19 @@ def policy_args(cfg):
     return model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
 
 
-def build_models(cfg, device):
-    """(policy args, policy, draft, tap layers): both models initialised from the config's seed."""
-    args = policy_args(cfg)
-    policy = build_policy(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, seed=cfg.debug.seed)
+def build_draft(cfg, args, device) -> tuple[EagleDraft, list[int]]:
+    """The draft for a policy of torchtitan `args` and the config's tap layers (initialised from the global
+    RNG), and those layers."""
     layers = tap_layers(cfg.draft, args.n_layers)
     d = cfg.draft
     draft = EagleDraft(draft_args_for(args, len(layers), d.vocab_size, d.n_heads, d.n_kv_heads)).to(device)
     draft.init_weights()
+    return draft, layers
+
+
+def build_models(cfg, device):
+    """(policy args, policy, draft, tap layers): both models initialised from the config's seed."""
+    args = policy_args(cfg)
+    policy = build_policy(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, seed=cfg.debug.seed)
+    draft, layers = build_draft(cfg, args, device)
     return args, policy, draft, layers
