@@ -28,14 +28,15 @@ def fixed_rollouts(cfg, task):
 
     g = torch.Generator().manual_seed(11)
     n = cfg.rl.prompts_per_step * cfg.rl.group_size
-    prompts = task.sample_prompts(cfg.rl.prompts_per_step, g).repeat_interleave(cfg.rl.group_size, 0)
-    answers = task.answers(prompts)
+    prompts = task.sample_prompts(cfg.rl.prompts_per_step, g).repeat_interleave(cfg.rl.group_size)
+    prompt_ids = prompts.padded(task.tokenizer.pad_id)
+    answers = task.answers(prompt_ids)
     # Half of the samples are right (reward 1), the rest random letters, so advantages are nonzero.
     noise = torch.randint(4, 4 + cfg.task.alphabet_size, answers.shape, generator=g)
     right = torch.arange(n) % 2 == 0
     responses = torch.where(right[:, None], answers, noise)
     lengths = torch.where(right, task.answer_len, torch.randint(2, task.answer_len + 1, (n,), generator=g))
-    return Rollouts(prompts, torch.cat([prompts, responses], 1), lengths, {})
+    return Rollouts(prompts, torch.cat([prompt_ids, responses], 1), lengths, {})
 
 
 def cotrain_step(argv, dims_from_world: bool, poison_draft: bool = False, return_state: bool = False):
@@ -46,7 +47,7 @@ def cotrain_step(argv, dims_from_world: bool, poison_draft: bool = False, return
     from titan_draft.cotrain import DraftOptimizer
     from titan_draft.parallel.parallelize import (build_parallel_dims, dp_rank_and_degree, parallelize_draft,
                                                   parallelize_policy)
-    from titan_draft.task import SortTask
+    from titan_draft.tasks.sort import SortTask
     from titan_draft.train import RLState, Rollouts, build_models, train_on
     from titan_draft.warmstart import draft_vocab_from_data
 
@@ -54,7 +55,7 @@ def cotrain_step(argv, dims_from_world: bool, poison_draft: bool = False, return
     device = _compat.device()
     args, policy, draft, layers = build_models(cfg, device)
     task = SortTask(cfg.task.num_items, cfg.task.alphabet_size, args.vocab_size)
-    draft_vocab_from_data(task, draft, torch.Generator().manual_seed(5), 0.0)
+    draft_vocab_from_data(task, draft, torch.Generator().manual_seed(5))
     if poison_draft:
         with torch.no_grad():
             draft.lm_head.weight[0, 0] = float("nan")
@@ -80,8 +81,8 @@ def cotrain_step(argv, dims_from_world: bool, poison_draft: bool = False, return
     state.draft_opt.optimizer.register_step_pre_hook(capture("draft.", draft))
     rollouts = fixed_rollouts(cfg, task)
     rank, degree = dp_rank_and_degree(dims)
-    share = Rollouts(*(x.chunk(degree)[rank] for x in (rollouts.prompts, rollouts.tokens, rollouts.response_lengths)),
-                     {})
+    share = Rollouts(rollouts.prompts.shard(rank, degree),
+                     *(x.chunk(degree)[rank] for x in (rollouts.tokens, rollouts.response_lengths)), {})
     metrics = train_on(state, share)
     return (metrics, grads, state) if return_state else (metrics, grads)
 

@@ -17,7 +17,7 @@ from titan_draft.cotrain import DraftOptimizer
 from titan_draft.metrics import MetricsLogger, read_metrics
 from titan_draft.models.policy import model_args
 from titan_draft.notebook import execute_notebook
-from titan_draft.task import SortTask
+from titan_draft.tasks.sort import SortTask
 from titan_draft.train import RLState, build_models, collect_rollouts, main, train_on
 from titan_draft.warmstart import draft_vocab_from_data, sft_policy
 
@@ -53,16 +53,16 @@ def test_policy_update_is_the_same_in_every_draft_mode(tmp_path):
     device = torch.device("cpu")
     args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
     _, policy, draft, layers = build_models(cfg, device)
-    task = SortTask(cfg.task.num_items, cfg.task.alphabet_size, args.vocab_size)
+    task = SortTask(cfg.task.num_items, cfg.task.alphabet_size, args.vocab_size)  # SFT data without swaps
     data_gen = torch.Generator().manual_seed(1)
     metrics = MetricsLogger(str(tmp_path), tensorboard=False)
     # A partly trained policy, so that some groups hold both rewards and the GRPO update is not zero.
-    sft_policy(policy, task, 30, 3e-3, 16, 0.0, data_gen, device, metrics)
-    draft_vocab_from_data(task, draft, data_gen, cfg.task.sft_swap_prob)
+    sft_policy(policy, task, 30, 3e-3, 16, data_gen, device, metrics)
+    draft_vocab_from_data(task, draft, data_gen)
     state = RLState.create(cfg, args, task, policy, draft, DraftOptimizer(draft, cfg.draft.lr, cfg.draft.max_norm),
                            layers, device, data_gen, torch.Generator().manual_seed(2))
     rollouts = collect_rollouts(state)  # speculative (cotrain's engine); the same rollouts feed every mode
-    rewards = task.rewards(rollouts.prompts, rollouts.tokens[:, rollouts.prompts.shape[1]:])
+    rewards = task.rewards(rollouts.prompts, list(rollouts.tokens[:, task.prompt_len:]))
     assert rewards.view(-1, cfg.rl.group_size).std(1).gt(0).any(), "no group with mixed rewards: the test is void"
 
     policy_before, draft_before = params(policy), params(draft)

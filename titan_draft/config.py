@@ -11,14 +11,29 @@ from typing import Literal
 
 @dataclass
 class Task:
-    name: Literal["sort"] = "sort"
-    """The synthetic verifiable task (see titan_draft/task.py)."""
+    name: Literal["sort", "jsonl", "arith"] = "sort"
+    """sort: sort letters (synthetic, the laptop default); jsonl: prompts and reference answers from
+    training.dataset_path, tokenised by model.hf_assets_path's tokenizer; arith: step-by-step repeated
+    addition whose answer lengths are heavy-tailed (titan_draft/tasks/)."""
     num_items: int = 10
-    """Letters per problem."""
+    """sort: letters per problem."""
     alphabet_size: int = 16
-    """Distinct letters the problems draw from."""
+    """sort: distinct letters the problems draw from."""
     sft_swap_prob: float = 0.25
-    """Probability that SFT data swaps an adjacent answer pair: a systematic error RL must undo."""
+    """The SFT data's systematic error, which RL must undo. sort: probability that an adjacent answer
+    pair is swapped; arith: probability that a carry is dropped; jsonl: not used (real data)."""
+    prompt_field: str = "prompt"
+    """jsonl: the field of each line's JSON object that holds the prompt."""
+    answer_field: str = "answer"
+    """jsonl: the field that holds the reference answer (final answer after '####', in \\boxed{}, or alone)."""
+    chat_template: bool = False
+    """jsonl: render each prompt as one user message through the tokenizer's chat template."""
+    answer_len_min: int = 30
+    """arith: shortest answer, in tokens (answers are whole scratchpad lines, so lengths are approximate)."""
+    answer_len_median: int = 60
+    """arith: median answer length in tokens; lengths follow a Pareto law truncated to [min, max]."""
+    answer_len_max: int = 600
+    """arith: longest answer in tokens; training.seq_len must hold the prompt and this."""
 
 
 @dataclass

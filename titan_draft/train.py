@@ -38,7 +38,7 @@ from titan_draft.parallel.parallelize import (build_parallel_dims, cp_mesh, desc
                                               sum_over_dp, compute_dtype, training_autocast)
 from titan_draft.parallel.pipeline_rl import PipelinedPolicy
 from titan_draft.rollout import RolloutEngine
-from titan_draft.task import SortTask
+from titan_draft.tasks import Prompts, Task, build_task
 from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draft
 from torchtitan.components.checkpoint import ModelWrapper
 
@@ -59,7 +59,7 @@ def build_models(cfg, device):
 class RLState:
     """Everything an RL step reads or updates."""
     cfg: object
-    task: SortTask
+    task: Task
     policy: torch.nn.Module | None  # None under pipeline parallelism: `pipeline` holds its stages
     start_policy: torch.nn.Module | None  # reference for the KL metric / penalty (ditto)
     draft: EagleDraft
@@ -106,7 +106,7 @@ class RLState:
 
 @dataclass
 class Rollouts:
-    prompts: torch.Tensor  # [N, P]
+    prompts: Prompts  # N prompts (group_size copies in a row) and their references
     tokens: torch.Tensor  # [N, P + max_new]
     response_lengths: torch.Tensor  # [N]
     metrics: dict
@@ -123,9 +123,10 @@ def collect_rollouts(s: RLState) -> Rollouts:
         s.engine.load_weights(s.policy, s.draft if speculate else None)
     # Every rank draws the whole step's prompts (same stream as one process) and rolls out its share.
     dp_rank, dp_degree = dp_rank_and_degree(s.dims)
-    prompts = task.sample_prompts(rl.prompts_per_step, s.data_gen).chunk(dp_degree)[dp_rank]
-    prompts = prompts.repeat_interleave(rl.group_size, 0)
-    result = s.engine.generate(prompts.to(s.device), ro.max_new_tokens or task.answer_len + 2,
+    prompts = task.sample_prompts(rl.prompts_per_step, s.data_gen).shard(dp_rank, dp_degree)
+    prompts = prompts.repeat_interleave(rl.group_size)
+    result = s.engine.generate(prompts.padded(task.tokenizer.pad_id).to(s.device),
+                               ro.max_new_tokens or task.max_new_tokens,
                                num_speculative_tokens=ro.num_speculative_tokens if speculate else 0,
                                temperature=ro.temperature, top_p=ro.top_p, eos_id=task.tokenizer.eos_id,
                                generator=s.rollout_gen)
@@ -139,13 +140,14 @@ def collect_rollouts(s: RLState) -> Rollouts:
 def train_on(s: RLState, r: Rollouts) -> dict:
     """Steps 2-4: advantages, one policy forward, the policy's and the draft's separate updates."""
     t1 = time.perf_counter()
-    P = r.prompts.shape[1]
-    rewards = s.task.rewards(r.prompts, r.tokens[:, P:])
+    prompt_ids = r.prompts.padded(s.task.tokenizer.pad_id)
+    P = prompt_ids.shape[1]
+    rewards = s.task.rewards(r.prompts, [row[:n] for row, n in zip(r.tokens[:, P:], r.response_lengths.tolist())])
     advantages = group_advantages(rewards, s.cfg.rl.group_size)
     if s.pipeline is not None:  # through the pipeline schedule (titan_draft/parallel/pipeline_rl.py)
-        totals, draft_stats = s.pipeline.update(r.prompts, r.tokens, r.response_lengths, advantages, s.draft_opt)
+        totals, draft_stats = s.pipeline.update(prompt_ids, r.tokens, r.response_lengths, advantages, s.draft_opt)
     else:
-        totals, draft_stats = _update(s, r, advantages)
+        totals, draft_stats = _update(s, r, prompt_ids, advantages)
     with torch.no_grad():
         reward_sum, num_samples = sum_over_dp(torch.stack([rewards.sum(), torch.tensor(float(len(rewards)))])
                                               .to(s.device), s.dims).tolist()
@@ -155,11 +157,11 @@ def train_on(s: RLState, r: Rollouts) -> dict:
             "train_time_s": time.perf_counter() - t1}
 
 
-def _update(s: RLState, r: Rollouts, advantages: torch.Tensor):
+def _update(s: RLState, r: Rollouts, prompt_ids: torch.Tensor, advantages: torch.Tensor):
     """Steps 3-4 on the whole policy: returns the totals over all ranks [policy loss, entropy, log p -
     log p_ref, clipped rows, response rows] and the draft's metrics."""
     cfg, d, rl = s.cfg, s.cfg.draft, s.cfg.rl
-    batch = rollout_batch(r.prompts, r.tokens, r.response_lengths).to(s.device)
+    batch = rollout_batch(prompt_ids, r.tokens, r.response_lengths).to(s.device)
     shift = draft_attn = None
     if cp_mesh(s.dims) is not None:  # this rank's zigzag rows of every document; ring attention in both policies
         apply_context_parallel(s.start_policy, batch, cp_mesh(s.dims), d.cp_mode, max_shift=d.ttt_steps)
@@ -232,7 +234,7 @@ def run(cfg, args, dims) -> None:
     # starts RL on the same prompts.
     warmup_gen = torch.Generator().manual_seed(seed + 3)
     metrics = MetricsLogger(cfg.job.dump_folder, rank=dist.get_rank())
-    task = SortTask(cfg.task.num_items, cfg.task.alphabet_size, args.vocab_size)
+    task = build_task(cfg, args.vocab_size)
     _, policy, draft, layers = build_models(cfg, device)
     if dims is not None:
         parallelize_policy(policy, dims, cfg)
@@ -249,15 +251,14 @@ def run(cfg, args, dims) -> None:
     if resume_phase in (SFT_DONE, WARMUP_DONE):
         checkpoint.load()
     if resume_phase < SFT_DONE:
-        sft_policy(policy, task, rl.sft_steps, rl.sft_lr, rl.sft_batch_size, cfg.task.sft_swap_prob, data_gen,
-                   device, metrics, amp=amp)
+        sft_policy(policy, task, rl.sft_steps, rl.sft_lr, rl.sft_batch_size, data_gen, device, metrics, amp=amp)
         checkpoint.save(SFT_DONE)
     if resume_phase < WARMUP_DONE:
-        draft_vocab_from_data(task, draft, data_gen, cfg.task.sft_swap_prob)
+        draft_vocab_from_data(task, draft, data_gen)
         if d.mode != "none":
             draft_opt = warmup_draft(policy, draft, task, layers, d.warmup_steps, d.lr, d.max_norm,
-                                     rl.sft_batch_size, d.ttt_steps, d.pass_decay, cfg.task.sft_swap_prob, warmup_gen,
-                                     device, metrics, amp=amp)
+                                     rl.sft_batch_size, d.ttt_steps, d.pass_decay, warmup_gen, device, metrics,
+                                     amp=amp)
         checkpoint.track(draft_optimizer=OptimizerState(draft, draft_opt.optimizer))
         checkpoint.save(WARMUP_DONE)
 

@@ -11,8 +11,8 @@ from titan_draft.cotrain import DraftOptimizer, draft_loss
 from titan_draft.metrics import MetricsLogger, progress
 from titan_draft.models.draft import EagleDraft, build_draft_vocab
 from titan_draft.models.policy import TapRecorder, forward_packed
-from titan_draft.packing import PackedBatch, pack_rows
-from titan_draft.task import SortTask
+from titan_draft.packing import PackedBatch, pack
+from titan_draft.tasks import Task
 
 
 def next_token_loss(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
@@ -21,19 +21,22 @@ def next_token_loss(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     return F.cross_entropy(logits[batch.loss_mask].float(), targets[batch.loss_mask])
 
 
-def sft_batch(task: SortTask, n: int, generator: torch.Generator, swap_prob: float, device) -> PackedBatch:
-    rows = task.sft_batch(n, generator, swap_prob)
-    return pack_rows(rows, first_trained_row=task.prompt_len - 1).to(device)
+def sft_batch(task: Task, n: int, generator: torch.Generator, device) -> PackedBatch:
+    """n of the task's SFT documents, packed; the rows that predict response tokens are trained."""
+    documents, prompt_lengths = task.sft_documents(n, generator)
+    masks = [(torch.arange(len(d)) >= p - 1) & (torch.arange(len(d)) < len(d) - 1)
+             for d, p in zip(documents, prompt_lengths.tolist())]
+    return pack(documents, masks).to(device)
 
 
-def sft_policy(policy, task: SortTask, steps: int, lr: float, batch_size: int, swap_prob: float,
+def sft_policy(policy, task: Task, steps: int, lr: float, batch_size: int,
                generator: torch.Generator, device, metrics: MetricsLogger, log_every: int = 50,
                amp=contextlib.nullcontext()) -> None:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     bar = progress(range(1, steps + 1), "sft", metrics.enabled)
     for step in bar:
-        batch = sft_batch(task, batch_size, generator, swap_prob, device)
+        batch = sft_batch(task, batch_size, generator, device)
         with amp:
             logits = forward_packed(policy, batch)
         loss = next_token_loss(logits, batch)
@@ -46,25 +49,25 @@ def sft_policy(policy, task: SortTask, steps: int, lr: float, batch_size: int, s
         metrics.log("sft", step, {"loss": loss.item()}, echo=step % log_every == 0 or step == steps)
 
 
-def draft_vocab_from_data(task: SortTask, draft: EagleDraft, generator: torch.Generator, swap_prob: float,
-                          num_docs: int = 1024) -> None:
+def draft_vocab_from_data(task: Task, draft: EagleDraft, generator: torch.Generator, num_docs: int = 1024) -> None:
     """The draft vocabulary: the most frequent target tokens of the task's answers."""
     if draft.args.draft_vocab_size == draft.args.target_vocab_size:
         return
-    rows = task.sft_batch(num_docs, generator, swap_prob)[:, task.prompt_len:]
-    counts = torch.bincount(rows.flatten(), minlength=draft.args.target_vocab_size)
+    documents, prompt_lengths = task.sft_documents(num_docs, generator)
+    answers = torch.cat([d[p:] for d, p in zip(documents, prompt_lengths.tolist())])
+    counts = torch.bincount(answers, minlength=draft.args.target_vocab_size)
     draft.set_vocab(build_draft_vocab(counts, draft.args.draft_vocab_size))
 
 
-def warmup_draft(policy, draft: EagleDraft, task: SortTask, tap_layers: list[int], steps: int, lr: float,
-                 max_norm: float, batch_size: int, ttt_steps: int, pass_decay: float, swap_prob: float,
+def warmup_draft(policy, draft: EagleDraft, task: Task, tap_layers: list[int], steps: int, lr: float,
+                 max_norm: float, batch_size: int, ttt_steps: int, pass_decay: float,
                  generator: torch.Generator, device, metrics: MetricsLogger, log_every: int = 50,
                  amp=contextlib.nullcontext()) -> DraftOptimizer:
     """Train the draft alone on the (frozen) policy's taps and logits; returns its optimizer for RL."""
     optimizer = DraftOptimizer(draft, lr, max_norm)
     bar = progress(range(1, steps + 1), "draft warm-up", metrics.enabled)
     for step in bar:
-        batch = sft_batch(task, batch_size, generator, swap_prob, device)
+        batch = sft_batch(task, batch_size, generator, device)
         with amp:
             with torch.no_grad(), TapRecorder(policy, tap_layers) as rec:
                 logits = forward_packed(policy, batch)
