@@ -26,7 +26,7 @@ from titan_draft.config import parse_config, validate
 from titan_draft.metrics import MetricsLogger
 from titan_draft.models.policy import model_args
 from titan_draft.parallel.parallelize import training_autocast
-from titan_draft.task import SortTask
+from titan_draft.tasks import build_task
 from titan_draft.train import RLState, build_models, collect_rollouts, train_on
 from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draft
 
@@ -68,20 +68,19 @@ def warm_start(cfg, device, folder):
     data_gen, warmup_gen = torch.Generator().manual_seed(seed + 1), torch.Generator().manual_seed(seed + 3)
     rollout_gen = torch.Generator(device=device).manual_seed(seed + 2)
     args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
-    task = SortTask(cfg.task.num_items, cfg.task.alphabet_size, args.vocab_size)
+    task = build_task(cfg, args.vocab_size)
     _, policy, draft, layers = build_models(cfg, device)
     d, rl = cfg.draft, cfg.rl
     metrics = MetricsLogger(folder, tensorboard=False)
     amp = training_autocast(cfg.training.mixed_precision_param, device)
     times = {}
     t0 = time.perf_counter()
-    sft_policy(policy, task, rl.sft_steps, rl.sft_lr, rl.sft_batch_size, cfg.task.sft_swap_prob, data_gen, device,
-               metrics, amp=amp)
+    sft_policy(policy, task, rl.sft_steps, rl.sft_lr, rl.sft_batch_size, data_gen, device, metrics, amp=amp)
     times["sft_s"] = time.perf_counter() - t0
-    draft_vocab_from_data(task, draft, data_gen, cfg.task.sft_swap_prob)
+    draft_vocab_from_data(task, draft, data_gen)
     t0 = time.perf_counter()
     draft_opt = warmup_draft(policy, draft, task, layers, d.warmup_steps, d.lr, d.max_norm, rl.sft_batch_size,
-                             d.ttt_steps, d.pass_decay, cfg.task.sft_swap_prob, warmup_gen, device, metrics, amp=amp)
+                             d.ttt_steps, d.pass_decay, warmup_gen, device, metrics, amp=amp)
     times["draft_warmup_s"] = time.perf_counter() - t0
     metrics.close()
     return (args, task, layers), (policy, draft, draft_opt, data_gen, rollout_gen), times

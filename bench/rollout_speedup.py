@@ -27,7 +27,7 @@ from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import build_policy, model_args
 from titan_draft.parallel.parallelize import training_autocast
 from titan_draft.rollout import RolloutEngine
-from titan_draft.task import SortTask
+from titan_draft.tasks.sort import SortTask
 from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draft
 
 DEVICE_DEFAULTS = {
@@ -80,10 +80,11 @@ def probe(engine, task, k, temperature, seed, n=256):
     """(acceptance length, exact-answer rate) of n fresh prompts."""
     gen = torch.Generator().manual_seed(seed)
     prompts = task.sample_prompts(n, gen)
-    out = engine.generate(prompts.to(engine.device), task.answer_len + 2, num_speculative_tokens=k,
+    out = engine.generate(prompts.padded(task.tokenizer.pad_id).to(engine.device), task.max_new_tokens,
+                          num_speculative_tokens=k,
                           temperature=temperature, eos_id=task.tokenizer.eos_id,
                           generator=torch.Generator().manual_seed(seed))
-    return out.acceptance_length, float(task.rewards(prompts, out.tokens[:, task.prompt_len:]).mean())
+    return out.acceptance_length, float(task.rewards(prompts, list(out.tokens[:, task.prompt_len:])).mean())
 
 
 def train_models(args, task, device):
@@ -103,7 +104,7 @@ def train_models(args, task, device):
     log = dict(sft_rounds=[], draft_rounds=[])
     t0 = time.perf_counter()
     for round_ in range(args.max_sft_rounds):
-        sft_policy(policy, task, args.sft_steps, args.sft_lr / 2 ** round_, args.batch_size, 0.0, gen, device,
+        sft_policy(policy, task, args.sft_steps, args.sft_lr / 2 ** round_, args.batch_size, gen, device,
                    metrics, amp=amp)
         engine.load_weights(policy)
         _, reward = probe(engine, task, 0, 0.0, seed=len(log["sft_rounds"]))
@@ -113,11 +114,11 @@ def train_models(args, task, device):
         if reward >= args.min_reward or time.perf_counter() - t0 > args.max_train_s:
             break
     log["sft_s"] = time.perf_counter() - t0
-    draft_vocab_from_data(task, draft, gen, 0.0)
+    draft_vocab_from_data(task, draft, gen)
     t0 = time.perf_counter()
     for round_ in range(args.max_draft_rounds):
         warmup_draft(policy, draft, task, layers, args.draft_steps, args.draft_lr / 2 ** round_, 1.0,
-                     args.batch_size, args.k, 0.8, 0.0, gen, device, metrics, amp=amp)
+                     args.batch_size, args.k, 0.8, gen, device, metrics, amp=amp)
         engine.load_weights(policy, draft)
         acceptance, _ = probe(engine, task, args.k, args.temperatures[0], seed=100 + len(log["draft_rounds"]))
         log["draft_rounds"].append(acceptance)
@@ -165,13 +166,14 @@ def step_parts(engine, batch_size, k, temperature, device):
 
 def measure(engine, task, args, batch_size, k, temperature):
     gen = torch.Generator().manual_seed(args.seed + batch_size)
-    prompts = task.sample_prompts(batch_size, gen).to(engine.device)
-    run = lambda seed: engine.generate(prompts, task.answer_len + 2, num_speculative_tokens=k,  # noqa: E731
+    prompts = task.sample_prompts(batch_size, gen)
+    prompt_ids = prompts.padded(task.tokenizer.pad_id).to(engine.device)
+    run = lambda seed: engine.generate(prompt_ids, task.max_new_tokens, num_speculative_tokens=k,  # noqa: E731
                                        temperature=temperature, eos_id=task.tokenizer.eos_id,
                                        generator=torch.Generator().manual_seed(seed))
     run(0)  # warm-up: CUDA graph capture, allocator, compilation
     results = [run(seed) for seed in range(1, args.repeats + 1)]
-    rewards = [float(task.rewards(prompts.cpu(), r.tokens[:, task.prompt_len:]).mean()) for r in results]
+    rewards = [float(task.rewards(prompts, list(r.tokens[:, task.prompt_len:])).mean()) for r in results]
     return dict(
         tokens_per_s=statistics.median(r.tokens_per_s for r in results),
         acceptance_length=statistics.mean(r.acceptance_length for r in results),

@@ -1,26 +1,32 @@
 """The sorting task, its tokenizer, a real Hugging Face tokenizer through torchtitan, and packing."""
+import hashlib
 import json
 
 import torch
 
 from titan_draft.packing import cu_seqlens_from_lengths, pack, pack_rows, positions_from_cu_seqlens
-from titan_draft.task import BOS, EOS, FIRST_LETTER, SEP, CharTokenizer, SortTask, load_hf_tokenizer
+from titan_draft.tasks import Prompts
+from titan_draft.tasks.hf_tokenizer import load_hf_tokenizer
+from titan_draft.tasks.sort import BOS, EOS, FIRST_LETTER, SEP, CharTokenizer, SortTask
 
 
 def test_rewards_exact_match_only():
     task = SortTask(num_items=4, alphabet_size=6)
     tok = task.tokenizer
-    prompts = torch.tensor([[BOS, *tok.encode("dbca"), SEP]] * 5)
+    rows = torch.tensor([[BOS, *tok.encode("dbca"), SEP]] * 6)
+    prompts = Prompts(list(rows), list(task.answers(rows)))
     good = [*tok.encode("abcd"), EOS]
-    responses = torch.tensor([
+    responses = [torch.tensor(r) for r in (
         good + [0, 7],                             # right, junk after EOS is ignored
+        good,                                      # right, stopped at EOS
         [*tok.encode("abdc"), EOS, 0, 0],          # one swap
         [*tok.encode("abcd"), 0, 0, 0],            # no EOS
-        [*tok.encode("abc"), EOS, 0, 0, 0],        # too short
+        [*tok.encode("abc"), EOS],                 # too short
         [*tok.encode("abcdd"), EOS, 0],            # extra letter
-    ])
-    assert task.rewards(prompts, responses).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
-    assert task.rewards(prompts[:1], torch.tensor([good[:-1]])).tolist() == [0.0]  # cut before EOS
+    )]
+    rewards = task.rewards(prompts, responses)
+    assert rewards.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0] and rewards.dtype == torch.float32
+    assert task.rewards(prompts, [torch.tensor(good[:-1])] * 6).sum() == 0  # cut before EOS
 
 
 def test_answers_sorted_with_duplicates():
@@ -29,24 +35,55 @@ def test_answers_sorted_with_duplicates():
     assert task.tokenizer.decode(task.answers(prompts)[0]) == "aabcc$"
 
 
-def test_sft_batch_swap_prob_zero_and_one():
+def sft_rows(task: SortTask, n: int, generator: torch.Generator) -> torch.Tensor:
+    documents, prompt_lengths = task.sft_documents(n, generator)
+    assert prompt_lengths.tolist() == [task.prompt_len] * n
+    return torch.stack(documents)
+
+
+def test_sft_documents_swap_prob_zero_and_one():
     torch.manual_seed(0)
     task = SortTask(num_items=7, alphabet_size=16)  # odd: the last letter has no partner
     P, A = task.prompt_len, task.answer_len
-    rows = task.sft_batch(64, torch.Generator().manual_seed(1), swap_prob=0.0)
+    rows = sft_rows(task, 64, torch.Generator().manual_seed(1))
     assert rows.shape == (64, P + A)
     prompts, answers = rows[:, :P], rows[:, P:]
     assert (prompts[:, 0] == BOS).all() and (prompts[:, -1] == SEP).all()
     assert ((prompts[:, 1:-1] >= FIRST_LETTER) & (prompts[:, 1:-1] < FIRST_LETTER + 16)).all()
     assert torch.equal(answers, task.answers(prompts))
-    assert task.rewards(prompts, answers).sum() == 64
+    assert task.rewards(Prompts(list(prompts), list(task.answers(prompts))), list(answers)).sum() == 64
 
-    rows = task.sft_batch(64, torch.Generator().manual_seed(1), swap_prob=1.0)
+    task.swap_prob = 1.0
+    rows = sft_rows(task, 64, torch.Generator().manual_seed(1))
     prompts, answers = rows[:, :P], rows[:, P:]
     right = task.answers(prompts)
     for got, want in zip(answers.tolist(), right.tolist()):
         swapped = [want[1], want[0], want[3], want[2], want[5], want[4], want[6], EOS]
         assert got == swapped
+
+
+def digest(x: torch.Tensor) -> str:
+    return hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16]
+
+
+def test_sort_draws_exactly_what_the_old_task_drew():
+    """Frozen outputs of titan_draft/task.py's SortTask before the Task protocol (sample_prompts, then
+    sft_batch(n, g, swap_prob) rows): the default job must stay bit-identical."""
+    task = SortTask(num_items=5, alphabet_size=6, swap_prob=0.5)
+    g = torch.Generator().manual_seed(7)
+    prompts = task.sample_prompts(3, g)
+    assert [p.tolist() for p in prompts.ids] == [[1, 7, 8, 5, 6, 5, 3], [1, 7, 9, 9, 8, 9, 3], [1, 8, 5, 6, 7, 6, 3]]
+    assert [r.tolist() for r in prompts.references] == [[5, 5, 6, 7, 8, 2], [7, 8, 9, 9, 9, 2], [5, 6, 6, 7, 8, 2]]
+    assert sft_rows(task, 4, g).tolist() == [
+        [1, 8, 4, 8, 7, 4, 3, 4, 4, 8, 7, 8, 2], [1, 4, 8, 9, 7, 8, 3, 7, 4, 8, 8, 9, 2],  # a swapped pair in each
+        [1, 6, 9, 5, 4, 6, 3, 5, 4, 6, 6, 9, 2], [1, 7, 8, 4, 5, 5, 3, 5, 4, 7, 5, 8, 2]]
+    assert [p.tolist() for p in task.sample_prompts(2, g).ids] == [[1, 6, 6, 5, 8, 6, 3], [1, 6, 8, 7, 9, 9, 3]]
+
+    task = SortTask(num_items=10, alphabet_size=16, vocab_size=32, swap_prob=0.25)  # the default job's task
+    g = torch.Generator().manual_seed(1)
+    assert digest(sft_rows(task, 64, g)) == "e2be4a34ef0fd3c4"
+    assert digest(task.sample_prompts(32, g).padded(0)) == "f3558493f63756e3"
+    assert task.max_new_tokens == 13  # the old default response budget: answer_len + 2
 
 
 def test_char_tokenizer_round_trip():

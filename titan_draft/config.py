@@ -15,14 +15,29 @@ from typing import Literal
 
 @dataclass
 class Task:
-    name: Literal["sort"] = "sort"
-    """The synthetic verifiable task (see titan_draft/task.py)."""
+    name: Literal["sort", "jsonl", "arith"] = "sort"
+    """sort: sort letters (synthetic, the laptop default); jsonl: prompts and reference answers from
+    training.dataset_path, tokenised by model.hf_assets_path's tokenizer; arith: step-by-step repeated
+    addition whose answer lengths are heavy-tailed (titan_draft/tasks/)."""
     num_items: int = 10
-    """Letters per problem."""
+    """sort: letters per problem."""
     alphabet_size: int = 16
-    """Distinct letters the problems draw from."""
+    """sort: distinct letters the problems draw from."""
     sft_swap_prob: float = 0.25
-    """Probability that SFT data swaps an adjacent answer pair: a systematic error RL must undo."""
+    """The SFT data's systematic error, which RL must undo. sort: probability that an adjacent answer
+    pair is swapped; arith: probability that a carry is dropped; jsonl: not used (real data)."""
+    prompt_field: str = "prompt"
+    """jsonl: the field of each line's JSON object that holds the prompt."""
+    answer_field: str = "answer"
+    """jsonl: the field that holds the reference answer (final answer after '####', in \\boxed{}, or alone)."""
+    chat_template: bool = False
+    """jsonl: render each prompt as one user message through the tokenizer's chat template."""
+    answer_len_min: int = 30
+    """arith: shortest answer, in tokens (answers are whole scratchpad lines, so lengths are approximate)."""
+    answer_len_median: int = 60
+    """arith: median answer length in tokens; lengths follow a Pareto law truncated to [min, max]."""
+    answer_len_max: int = 600
+    """arith: longest answer in tokens; training.seq_len must hold the prompt and this."""
 
 
 @dataclass
@@ -155,10 +170,6 @@ def validate(cfg, world_size: int) -> None:
          "1 + clip_eps)")
     t = cfg.task
     need(0 <= t.sft_swap_prob <= 1, f"task.sft_swap_prob: {t.sft_swap_prob} must be a probability in [0, 1]")
-    if t.name == "sort":
-        need(t.num_items >= 1, f"task.num_items: {t.num_items} must be >= 1")
-        need(1 <= t.alphabet_size <= vocab_size - 4, f"task.alphabet_size: {t.alphabet_size} letters and 4 special "
-             f"tokens do not fit the policy's vocabulary of {vocab_size}; use 1..{vocab_size - 4}")
 
     degrees = {
         "parallelism.data_parallel_replicate_degree": p.data_parallel_replicate_degree,
@@ -179,26 +190,14 @@ def validate(cfg, world_size: int) -> None:
     cp = p.context_parallel_degree
     seq = cfg.training.seq_len
     need(seq >= 1, f"training.seq_len: {seq} must be >= 1")
-    if (lengths := task_lengths(cfg.task)) is not None:
-        prompt, answer = lengths
-        budget = ro.max_new_tokens or answer + 2
-        longest = prompt + max(answer, budget)
-        need(seq >= longest, f"training.seq_len: {seq} cannot hold a {cfg.task.name} prompt of {prompt} tokens with "
-             f"its answer ({answer}) or a rollout of {budget} new tokens (rollout.max_new_tokens, 0 = answer + 2); use "
-             f">= {-(-longest // (2 * cp)) * 2 * cp}")
+    from titan_draft.tasks import check_task
+
+    check_task(cfg, vocab_size)  # the task's own lengths, data and tokenizer
     need(cfg.training.seq_len % (2 * cp) == 0, f"training.seq_len: {cfg.training.seq_len} is not divisible by "
          f"2 * context_parallel_degree = {2 * cp}; use a multiple of {2 * cp}")
     pp = p.pipeline_parallel_degree
     need(pp <= n_layers, f"parallelism.pipeline_parallel_degree: {pp} exceeds the policy's {n_layers} layers")
     _validate_composition(cfg, world_size, args, need)
-
-
-def task_lengths(task) -> tuple[int, int] | None:
-    """(prompt, answer) token counts of the task's longest document, from its [task] section; None when
-    only the task's data knows them."""
-    if task.name == "sort":
-        return task.num_items + 2, task.num_items + 1  # BOS letters SEP | sorted letters EOS
-    return None
 
 
 def _degree_fix(degrees: dict, world_size: int) -> str:

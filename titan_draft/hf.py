@@ -112,7 +112,7 @@ def save_policy(policy: torch.nn.Module, model_name: str, args, output: str, tok
 def load_policy(policy: torch.nn.Module, model_name: str, args, folder: str):
     """Load HF safetensors from `folder` into `policy` (plain or FSDP/TP; every rank reads the files).
     Returns the folder's tokenizer (torchtitan HuggingFaceTokenizer), or None if it has none."""
-    from titan_draft.task import load_hf_tokenizer
+    from titan_draft.tasks.hf_tokenizer import load_hf_tokenizer
 
     native = state_dict_adapter(model_name, args).from_hf(read_safetensors(folder))
     set_model_state_dict(policy, native, options=StateDictOptions(full_state_dict=True, strict=True))
