@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from titan_draft.packing import cu_seqlens_from_lengths, pack, pack_rows, positions_from_cu_seqlens
+from titan_draft.packing import cu_seqlens_from_lengths, pack, pack_documents, positions_from_cu_seqlens, trained_rows
 from titan_draft.tasks import Prompts
 from titan_draft.tasks.hf_tokenizer import load_hf_tokenizer
 from titan_draft.tasks.sort import BOS, EOS, FIRST_LETTER, SEP, CharTokenizer, SortTask
@@ -138,18 +138,23 @@ def test_pack_concatenates_documents():
     assert b.max_seqlen == 3 and b.num_tokens == 6
 
 
-def test_pack_rows_loss_mask():
+def test_pack_documents_loss_mask():
     rows = torch.arange(12).view(2, 6)
-    b = pack_rows(rows, first_trained_row=2)
-    # rows 2..4 of each document predict a trained token; row 5 (the last) has no next token
+    b = pack_documents(list(rows), torch.tensor([3, 3]))
+    # rows 2..4 of each document (prompt of 3) predict a trained token; row 5 (the last) has no next token
     assert b.loss_mask.tolist() == [False, False, True, True, True, False] * 2
     assert b.tokens.tolist() == list(range(12))
+    # the same rule as whole rows, which the pipeline trains on
+    assert trained_rows(torch.tensor([3, 3]), torch.tensor([6, 6]), 6).flatten().tolist() == b.loss_mask.tolist()
 
-    b = pack_rows(rows, first_trained_row=2, lengths=torch.tensor([4, 6]))
+    b = pack_documents([rows[0, :4], rows[1]], torch.tensor([3, 3]))
     assert b.tokens.tolist() == [0, 1, 2, 3, 6, 7, 8, 9, 10, 11]
     assert b.cu_seqlens.tolist() == [0, 4, 10]
     assert b.positions.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
     assert b.loss_mask.tolist() == [False, False, True, False] + [False, False, True, True, True, False]
-    # the trained rows predict exactly the response tokens (positions >= first_trained_row + 1)
+    # the trained rows predict exactly the response tokens (positions >= the prompt length)
     next_tokens = b.tokens.roll(-1)[b.loss_mask]
     assert next_tokens.tolist() == [3, 9, 10, 11]
+    # prompts of different lengths: each document's own
+    b = pack_documents([rows[0, :4], rows[1]], torch.tensor([2, 4]))
+    assert b.loss_mask.tolist() == [False, True, True, False] + [False, False, False, True, True, False]

@@ -287,8 +287,8 @@ def test_arith_checks():
 
 
 def test_sort_checks():
-    expect_error(parse_config(["--task.alphabet_size", "30"]), "task.alphabet_size: 30 letters + 4 special tokens "
-                 "do not fit the policy's vocabulary of 32; use task.alphabet_size <= 28")
-    expect_error(parse_config(["--training.seq_len", "20"]), "training.seq_len: 20 is shorter than a sort document: "
-                 "prompt 12 + response 13 tokens (task.num_items 10, rollout.max_new_tokens); set training.seq_len "
-                 ">= 25")
+    expect_error(parse_config(["--task.alphabet_size", "30"]), "task.alphabet_size: 30 letters and 4 special tokens "
+                 "do not fit the policy's vocabulary of 32; use 1..28")
+    expect_error(parse_config(["--training.seq_len", "20"]), "training.seq_len: 20 cannot hold a sort prompt of 12 "
+                 "tokens with its answer (11) or a rollout of 13 new tokens (rollout.max_new_tokens, 0 = answer + 2); "
+                 "use >= 26")
