@@ -106,31 +106,32 @@ def first_new_token(tokens: list[int], start: int) -> int:
     return next(t for i, t in enumerate(tokens) if i >= start and t not in tokens[:i])
 
 
+def assert_greedy_equal(engine, hf, prompts: list[torch.Tensor], max_new_tokens: int) -> None:
+    """Engine == transformers with the tokenizer's eos, then with a token that row 0 first emits
+    mid-answer as the eos (row 0 stops early with it, the other rows need not)."""
+    want = greedy_transformers(hf, prompts, max_new_tokens, EOS_ID)
+    assert [g.tolist() for g in greedy_engine(engine, prompts, max_new_tokens, EOS_ID)] == [w.tolist() for w in want]
+    stop = first_new_token(want[0].tolist()[:-1], 3)
+    want = greedy_transformers(hf, prompts, max_new_tokens, stop)
+    assert len(want[0]) < max_new_tokens and want[0][-1] == stop
+    assert [g.tolist() for g in greedy_engine(engine, prompts, max_new_tokens, stop)] == [w.tolist() for w in want]
+
+
 @torch.no_grad()
 def test_engine_greedy_rollouts_equal_transformers_generate(checkpoint, problems):
-    """Same-length prompts for now (variable-length prompts: add a case with prompts of different
-    lengths to `cases` once the engine takes them)."""
+    """Prompts of one length in one batch for now; once the engine takes prompts of different
+    lengths, call assert_greedy_equal on such a batch too."""
     name, folder = checkpoint
     args, policy, tokenizer = job_policy(name, folder)
     hf = transformers_model(folder)
     encoded = encode_prompts(tokenizer, problems)
-    length = max({len(p) for p in encoded}, key=[len(p) for p in encoded].count)
-    same_length = [p for p in encoded if len(p) == length][:3]
+    lengths = [len(p) for p in encoded]
+    same_length = [p for p in encoded if len(p) == max(lengths, key=lengths.count)][:3]
     assert len(same_length) == 3
     max_new = 20
-    engine = RolloutEngine(args, None, [0], 3, length + max_new, "cpu", torch.float32)
+    engine = RolloutEngine(args, None, [0], len(same_length), max(lengths) + max_new, "cpu", torch.float32)
     engine.load_weights(policy)
-
-    want = greedy_transformers(hf, same_length, max_new, EOS_ID)
-    assert [g.tolist() for g in greedy_engine(engine, same_length, max_new, EOS_ID)] == [w.tolist() for w in want]
-    # A stop token that row 0 first emits mid-answer: row 0 ends early, the others need not.
-    stop = first_new_token(want[0].tolist(), 3)
-    cases = [(same_length, stop)]
-    for prompts, eos_id in cases:
-        want = greedy_transformers(hf, prompts, max_new, eos_id)
-        got = greedy_engine(engine, prompts, max_new, eos_id)
-        assert [g.tolist() for g in got] == [w.tolist() for w in want]
-        assert any(len(w) < max_new and w[-1] == eos_id for w in want)
+    assert_greedy_equal(engine, hf, same_length, max_new)
 
 
 def test_sharded_checkpoint_loads_like_the_single_file(tmp_path, problems):
@@ -216,11 +217,11 @@ def test_check_hf_assets_error_lines(checkpoint, tmp_path):
     arch = {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[name]
     model = ["--model.name", name]
     check_hf_assets(job_config(folder, *model, "--checkpoint.initial_load_path", folder,
-                               "--checkpoint.initial_load_in_hf"), VOCAB, needs_tokenizer=True)
+                               "--checkpoint.initial_load_in_hf"), needs_tokenizer=True)
 
-    def error(cfg, vocab_size=VOCAB) -> str:
+    def error(cfg) -> str:
         with pytest.raises(ConfigError) as e:
-            check_hf_assets(cfg, vocab_size, needs_tokenizer=True)
+            check_hf_assets(cfg, needs_tokenizer=True)
         return str(e.value)
 
     empty = tmp_path / "empty"
@@ -230,10 +231,10 @@ def test_check_hf_assets_error_lines(checkpoint, tmp_path):
     other = {"llama3": "qwen3", "qwen3": "llama3"}[name]
     assert error(job_config(folder, "--model.name", other)) == (f"model.name: '{other}', but {folder}/config.json is a "
                                                                 f"{arch}; set model.name = '{name}'")
-    assert error(job_config(folder, *model), vocab_size=300) == (
-        f"model.hf_assets_path: the tokenizer has {tokenizer_vocab_size(folder)} token ids but the policy's embedding "
-        f"has 300 rows; use the model's own tokenizer, or a model (model.flavor) with vocab_size >= "
-        f"{tokenizer_vocab_size(folder)}")
+    assert tokenizer_vocab_size(folder) == VOCAB
+    assert error(job_config(folder, *model, "--model.flavor", "tiny")) == (
+        f"model.hf_assets_path: the tokenizer has {VOCAB} token ids but the policy's embedding has 32 rows; use the "
+        f"model's own tokenizer, or a model (model.flavor) with vocab_size >= {VOCAB}")
     assert error(job_config(folder, *model, "--checkpoint.initial_load_path", str(empty),
                             "--checkpoint.initial_load_in_hf")) == (
         f"checkpoint.initial_load_path: {empty} has no *.safetensors files; point it at a Hugging Face model folder "

@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.config import ConfigError
-from titan_draft.models.families import family, hf_model_args, read_json
+from titan_draft.models.families import family, read_json
+from titan_draft.models.policy import job_model_args
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 INDEX_FILE = "model.safetensors.index.json"
@@ -202,17 +203,16 @@ def tokenizer_vocab_size(folder: str) -> int:
     return max(ids) + 1
 
 
-def check_hf_assets(cfg, vocab_size: int, *, needs_tokenizer: bool) -> None:
+def check_hf_assets(cfg, *, needs_tokenizer: bool) -> None:
     """Raise ConfigError (one line) for Hugging Face inputs that cannot work, before any process starts.
 
-    vocab_size: rows of the policy's embedding (its model args); needs_tokenizer: the task tokenizes
-    text with the tokenizer of model.hf_assets_path. Checks: model.flavor 'hf' has a readable
-    config.json of a supported architecture; the tokenizer is there and fits the embedding;
-    checkpoint.initial_load_path is a Hugging Face folder with every safetensors file it lists.
+    needs_tokenizer: the task tokenizes text with the tokenizer of model.hf_assets_path. Checks:
+    model.flavor 'hf' has a readable config.json of a supported architecture that matches
+    model.name; the tokenizer is there and fits the policy's embedding; checkpoint.initial_load_path
+    is a Hugging Face folder with every safetensors file it lists.
     """
     m, ck = cfg.model, cfg.checkpoint
-    if m.flavor == "hf":
-        hf_model_args(m.name, m.hf_assets_path)
+    vocab_size = job_model_args(cfg).vocab_size  # flavor 'hf': reads and checks config.json
     if needs_tokenizer:
         if not os.path.isfile(os.path.join(m.hf_assets_path, "tokenizer.json")):
             raise ConfigError(f"model.hf_assets_path: {os.path.join(m.hf_assets_path, 'tokenizer.json')} not "

@@ -54,6 +54,11 @@ def model_args(name: str, flavor: str, max_seq_len: int, hf_assets_path: str = "
     return args
 
 
+def job_model_args(cfg):
+    """model_args of a job config: [model] name / flavor / hf_assets_path, training.seq_len."""
+    return model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, cfg.model.hf_assets_path)
+
+
 def build_policy(name: str, flavor: str, max_seq_len: int, seed: int | None = None, device=None, *,
                  hf_assets_path: str = "") -> nn.Module:
     """A freshly initialised policy on `device` (default: the current one), with packed attention installed
