@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from titan_draft.config import ConfigError, parse_config
-from titan_draft.hf import check_hf_assets, load_policy, tokenizer_vocab_size
+from titan_draft.hf import check_hf_assets, load_policy, state_dict_adapter, tokenizer_vocab_size
 from titan_draft.models.families import family_of_args
 from titan_draft.models.policy import build_policy, forward_packed, model_args, policy_from_args
 from titan_draft.packing import pack
@@ -206,6 +206,42 @@ def test_hub_style_config_reads_like_transformers_5_style(checkpoint, tmp_path):
     write_config(hub, rope_parameters=None, rope_theta=theta, rope_scaling=rope if name == "llama3" else None)
     assert model_args(name, "hf", SEQ_LEN, str(hub)) == want
     assert want.rope_theta == theta and want.vocab_size == VOCAB and want.n_kv_heads == 2
+
+
+# The hub's config.json of three real models (the keys that matter), for shape checks on "meta".
+HUB_CONFIGS = {
+    "Llama-3.1-8B": ("llama3", dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False, hidden_act="silu",
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192))),
+    "Llama-3.2-1B": ("llama3", dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192))),
+    "Qwen3-1.7B": ("qwen3", dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        rms_norm_eps=1e-6, rope_theta=1000000, rope_scaling=None, max_position_embeddings=40960,
+        tie_word_embeddings=True, use_sliding_window=False, sliding_window=None, attention_bias=False)),
+}
+
+
+@pytest.mark.parametrize("hub_model", sorted(HUB_CONFIGS))
+def test_hub_configs_give_the_hub_models_weight_shapes(hub_model, tmp_path):
+    """Every weight of the real model, by name and shape (torchtitan's FFN width rule included), on
+    the "meta" device: the policy built from config.json, in HF names, equals transformers' model."""
+    name, config = HUB_CONFIGS[hub_model]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = model_args(name, "hf", 4096, str(tmp_path))
+    policy = build_policy(name, "hf", 4096, device="meta", hf_assets_path=str(tmp_path))
+    ours = {k: tuple(v.shape) for k, v in state_dict_adapter(name, args).to_hf(policy.state_dict()).items()}
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(tmp_path)))
+    assert ours == {k: tuple(v.shape) for k, v in hf.state_dict().items()}
 
 
 def job_config(folder, *extra: str):
