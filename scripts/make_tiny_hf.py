@@ -7,9 +7,8 @@ writes <out>/model (config.json, model.safetensors, tokenizer.json, tokenizer_co
 <out>/train.jsonl and <out>/test.jsonl ({"prompt": ..., "answer": "... #### <number>"} per line).
 """
 import argparse
-import os
 
-from titan_draft.tiny_hf import arithmetic_problems, write_jsonl, write_tiny_checkpoint
+from titan_draft.tiny_hf import write_demo_inputs
 
 
 def main() -> None:
@@ -22,16 +21,10 @@ def main() -> None:
     parser.add_argument("--test-problems", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-
-    train = arithmetic_problems(args.train_problems, seed=args.seed)
-    test = arithmetic_problems(args.test_problems, seed=args.seed + 1)
-    model = os.path.join(args.out, "model")
-    size = write_tiny_checkpoint(model, args.family, [f"{p['prompt']} {p['answer']}" for p in train],
-                                 vocab_size=args.vocab_size, seed=args.seed)
-    write_jsonl(os.path.join(args.out, "train.jsonl"), train)
-    write_jsonl(os.path.join(args.out, "test.jsonl"), test)
-    print(f"wrote {model} ({args.family}, tokenizer of {size} ids) and {len(train)} + {len(test)} problems "
-          f"in {args.out}/train.jsonl, test.jsonl")
+    inputs = write_demo_inputs(args.out, args.family, vocab_size=args.vocab_size, train_problems=args.train_problems,
+                               test_problems=args.test_problems, seed=args.seed)
+    print(f"wrote {inputs.model} ({args.family}, tokenizer of {inputs.tokenizer_size} ids), {inputs.train} "
+          f"({args.train_problems} problems) and {inputs.test} ({args.test_problems})")
 
 
 if __name__ == "__main__":

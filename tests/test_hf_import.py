@@ -18,7 +18,7 @@ from titan_draft.models.families import family_of_args
 from titan_draft.models.policy import build_policy, forward_packed, model_args, policy_from_args
 from titan_draft.packing import pack
 from titan_draft.rollout import RolloutEngine
-from titan_draft.tiny_hf import EOS_ID, arithmetic_problems, write_tiny_checkpoint
+from titan_draft.tiny_hf import EOS_ID, arithmetic_problems, problem_texts, write_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,14 +32,10 @@ def problems():
     return arithmetic_problems(64, seed=0)
 
 
-def texts(problems) -> list[str]:
-    return [f"{p['prompt']} {p['answer']}" for p in problems]
-
-
 @pytest.fixture(scope="module", params=["llama3", "qwen3"])
 def checkpoint(request, tmp_path_factory, problems):
     folder = str(tmp_path_factory.mktemp(request.param) / "hf")
-    write_tiny_checkpoint(folder, request.param, texts(problems), vocab_size=VOCAB, seed=1)
+    write_tiny_checkpoint(folder, request.param, problem_texts(problems), vocab_size=VOCAB, seed=1)
     return request.param, folder
 
 
@@ -135,8 +131,8 @@ def test_engine_greedy_rollouts_equal_transformers_generate(checkpoint, problems
 
 
 def test_sharded_checkpoint_loads_like_the_single_file(tmp_path, problems):
-    write_tiny_checkpoint(str(tmp_path / "one"), "llama3", texts(problems), vocab_size=VOCAB, seed=3)
-    write_tiny_checkpoint(str(tmp_path / "shards"), "llama3", texts(problems), vocab_size=VOCAB, seed=3,
+    write_tiny_checkpoint(str(tmp_path / "one"), "llama3", problem_texts(problems), vocab_size=VOCAB, seed=3)
+    write_tiny_checkpoint(str(tmp_path / "shards"), "llama3", problem_texts(problems), vocab_size=VOCAB, seed=3,
                           max_shard_size="60KB")
     index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -156,7 +152,7 @@ def test_sharded_checkpoint_loads_like_the_single_file(tmp_path, problems):
 
 def test_weights_that_do_not_fit_name_the_tensor_and_file(tmp_path, problems):
     folder = tmp_path / "hf"
-    write_tiny_checkpoint(str(folder), "llama3", texts(problems), vocab_size=VOCAB, seed=3)
+    write_tiny_checkpoint(str(folder), "llama3", problem_texts(problems), vocab_size=VOCAB, seed=3)
     weights = folder / "model.safetensors"
     args = model_args("llama3", "hf", SEQ_LEN, str(folder))
     state = load_file(weights)

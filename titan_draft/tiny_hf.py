@@ -10,6 +10,7 @@ import json
 import os
 import random
 import string
+from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -115,6 +116,11 @@ def arithmetic_problems(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def problem_texts(problems: list[dict]) -> list[str]:
+    """Prompt and answer of each problem as one text: what the tokenizer is trained on."""
+    return [f"{p['prompt']} {p['answer']}" for p in problems]
+
+
 def write_jsonl(path: str, rows: list[dict]) -> None:
     """One JSON object per line, written under a temporary name and renamed into place."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -125,3 +131,25 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@dataclass
+class DemoInputs:
+    model: str
+    """The checkpoint folder: model.hf_assets_path and checkpoint.initial_load_path."""
+    train: str
+    """training.dataset_path."""
+    test: str
+    tokenizer_size: int
+
+
+def write_demo_inputs(out: str, family: str = "llama3", *, vocab_size: int = 384, train_problems: int = 2000,
+                      test_problems: int = 200, seed: int = 0) -> DemoInputs:
+    """<out>/model (write_tiny_checkpoint, its tokenizer trained on the training problems),
+    <out>/train.jsonl and <out>/test.jsonl (arithmetic_problems, {"prompt", "answer"} per line)."""
+    problems = arithmetic_problems(train_problems, seed=seed)
+    model, train, test = (os.path.join(out, name) for name in ("model", "train.jsonl", "test.jsonl"))
+    size = write_tiny_checkpoint(model, family, problem_texts(problems), vocab_size=vocab_size, seed=seed)
+    write_jsonl(train, problems)
+    write_jsonl(test, arithmetic_problems(test_problems, seed=seed + 1))
+    return DemoInputs(model, train, test, size)
