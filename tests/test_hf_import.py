@@ -10,17 +10,16 @@ import os
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from titan_draft.config import ConfigError, parse_config
-from titan_draft.hf import check_hf_assets, load_policy, state_dict_adapter, tokenizer_vocab_size
+from titan_draft.hf import check_hf_assets, load_policy, save_policy, state_dict_adapter, tokenizer_vocab_size
 from titan_draft.models.families import family_of_args
 from titan_draft.models.policy import build_policy, forward_packed, model_args, policy_from_args
 from titan_draft.packing import pack
 from titan_draft.rollout import RolloutEngine
 from titan_draft.tiny_hf import EOS_ID, arithmetic_problems, problem_texts, write_tiny_checkpoint
-
-transformers = pytest.importorskip("transformers")
 
 SEQ_LEN = 96
 VOCAB = 384
@@ -80,6 +79,22 @@ def test_packed_logits_equal_transformers_forward(checkpoint, problems):
         assert args.head_dim == 32 and args.head_dim * args.n_heads != args.dim
         assert torch.equal(policy.output.weight, policy.tok_embeddings.weight)
         assert policy.output.weight.data_ptr() != policy.tok_embeddings.weight.data_ptr()
+
+
+@torch.no_grad()
+def test_exported_policy_gives_transformers_the_same_logits(checkpoint, problems, tmp_path):
+    """save_policy of an imported (and then changed) policy: transformers reads the folder and
+    computes the policy's logits; the tokenizer files come along."""
+    name, folder = checkpoint
+    args, policy, tokenizer = job_policy(name, folder)
+    for parameter in policy.parameters():  # as after training: no longer the imported weights
+        parameter.add_(0.01 * torch.randn_like(parameter))
+    save_policy(policy, name, args, str(tmp_path / "out"), tokenizer_dir=folder)
+    assert os.path.isfile(tmp_path / "out" / "tokenizer.json")
+    prompts = encode_prompts(tokenizer, problems[:3])
+    hf = transformers_model(str(tmp_path / "out"))
+    want = torch.cat([hf(p[None]).logits[0] for p in prompts])
+    torch.testing.assert_close(packed_logits(policy, prompts), want, rtol=1e-5, atol=5e-5)
 
 
 def greedy_transformers(hf, prompts: list[torch.Tensor], max_new_tokens: int, eos_id: int) -> list[torch.Tensor]:

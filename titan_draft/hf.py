@@ -22,9 +22,12 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
 from titan_draft.config import ConfigError
 from titan_draft.models.families import family, read_json
 from titan_draft.models.policy import job_model_args
@@ -89,7 +92,12 @@ def safetensors_files(folder: str, key: str = LOAD_KEY) -> list[str]:
     return files
 
 
-def read_safetensors(folder: str, key: str = LOAD_KEY) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_safetensors(folder: str, key: str = LOAD_KEY) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face folder (sharded or not); `key` names the folder in errors."""
+    return read_safetensors_with_files(folder, key)[0]
+
+
+def read_safetensors_with_files(folder: str, key: str = LOAD_KEY) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """All tensors of a Hugging Face folder (sharded or not) and, per tensor name, its file."""
     state, source = {}, {}
     for file in safetensors_files(folder, key):
@@ -144,22 +152,22 @@ def load_policy(policy: torch.nn.Module, model_name: str, args, folder: str):
     A checkpoint with tied embeddings (tie_word_embeddings in its config.json, no lm_head.weight)
     fills the policy's untied output weight with a copy of the embedding.
     Returns the folder's tokenizer (torchtitan HuggingFaceTokenizer), or None if it has none."""
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
-
-    hf_state, source = read_safetensors(folder)
+    hf_state, source = read_safetensors_with_files(folder)
     config_file = os.path.join(folder, "config.json")
     tied = os.path.isfile(config_file) and read_json(config_file, LOAD_KEY).get("tie_word_embeddings", False)
     if tied and "lm_head.weight" not in hf_state and "model.embed_tokens.weight" in hf_state:
-        hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"].clone()
+        hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]  # copied into the untied output
         source["lm_head.weight"] = f"{source['model.embed_tokens.weight']} (tied to model.embed_tokens.weight)"
-    native = _native_state(state_dict_adapter(model_name, args), hf_state, source, get_model_state_dict(policy))
+    native = _native_state(state_dict_adapter(model_name, args), hf_state, source, get_model_state_dict(policy),
+                           folder)
     set_model_state_dict(policy, native, options=StateDictOptions(full_state_dict=True, strict=True))
     return HuggingFaceTokenizer(folder) if os.path.exists(os.path.join(folder, "tokenizer.json")) else None
 
 
-def _native_state(adapter, hf_state: dict, source: dict, want: dict) -> dict[str, torch.Tensor]:
-    """hf_state in the policy's names, one tensor at a time (so that an error names the tensor and
-    its file), checked against the policy's names and shapes `want`."""
+def _native_state(adapter, hf_state: dict, source: dict, want: dict, folder: str) -> dict[str, torch.Tensor]:
+    """hf_state (read from `folder`; source: tensor name -> file) in the policy's names, one tensor
+    at a time (so that an error names the tensor and its file), checked against the policy's names
+    and shapes `want`."""
     fix = "use the config.json saved with these weights (model.flavor 'hf') or the matching model.flavor"
     native = {}
     for hf_name, tensor in hf_state.items():
@@ -182,15 +190,13 @@ def _native_state(adapter, hf_state: dict, source: dict, want: dict) -> dict[str
         hf_names = list(adapter.to_hf({name: want[name] for name in missing}))
         raise ConfigError(f"{LOAD_KEY}: no tensor '{hf_names[0]}' (the policy's '{missing[0]}'"
                           f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}) in the safetensors "
-                          f"files of {os.path.dirname(next(iter(source.values())))}; {fix}")
+                          f"files of {folder}; {fix}")
     return native
 
 
 def tokenizer_vocab_size(folder: str) -> int:
     """Token ids a Hugging Face tokenizer folder can produce: the largest id + 1 (tokenizer.json with
     its added tokens, and the added_tokens_decoder of tokenizer_config.json)."""
-    from tokenizers import Tokenizer
-
     path = os.path.join(folder, "tokenizer.json")
     try:
         ids = list(Tokenizer.from_file(path).get_vocab(with_added_tokens=True).values())
@@ -237,4 +243,4 @@ def load_draft(draft: torch.nn.Module, folder: str) -> None:
     """Load an EAGLE-3 draft folder (the layout export_draft writes) into `draft` (plain module)."""
     from titan_draft.export_draft import from_engine_layout
 
-    draft.load_state_dict(from_engine_layout(draft, read_safetensors(folder, "draft.init_path")[0]), strict=True)
+    draft.load_state_dict(from_engine_layout(draft, read_safetensors(folder, "draft.init_path")), strict=True)
