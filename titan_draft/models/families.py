@@ -64,8 +64,9 @@ class HFConfig:
             raise ConfigError(f"{self.source}: key '{key}' is missing; use the config.json saved with the weights")
         return self.config[key]
 
-    def expect(self, key: str, allowed, default, why: str) -> None:
-        value = self.config.get(key, default)
+    def expect(self, key: str, allowed, why: str) -> None:
+        """`key` is `allowed` or absent (transformers' default is the allowed value)."""
+        value = self.config.get(key, allowed)
         if value != allowed:
             raise ConfigError(f"{self.source}: {key} = {value!r} is not supported ({why}); only {allowed!r} is")
 
@@ -73,8 +74,8 @@ class HFConfig:
         """The torchtitan args fields both families share."""
         for key, why in (("attention_bias", "torchtitan's attention has no biases"),
                          ("mlp_bias", "torchtitan's feed-forward has no biases")):
-            self.expect(key, False, False, why)
-        self.expect("hidden_act", "silu", "silu", "torchtitan's feed-forward is SwiGLU")
+            self.expect(key, False, why)
+        self.expect("hidden_act", "silu", "torchtitan's feed-forward is SwiGLU")
         n_heads = self.need("num_attention_heads")
         return dict(dim=self.need("hidden_size"), n_layers=self.need("num_hidden_layers"), n_heads=n_heads,
                     n_kv_heads=self.get("num_key_value_heads") or n_heads, vocab_size=self.need("vocab_size"),
@@ -131,7 +132,7 @@ def _llama3_ffn_args(dim: int, width: int, source: str) -> tuple[int, float]:
 def _qwen3_args_from_hf(config: dict, source: str) -> Qwen3ModelArgs:
     hf = HFConfig(config, source)
     common = hf.common()
-    hf.expect("use_sliding_window", False, False, "torchtitan's qwen3 attends the whole context")
+    hf.expect("use_sliding_window", False, "torchtitan's qwen3 attends the whole context")
     rope, theta = hf.rope()
     if rope["rope_type"] != "default":
         raise ConfigError(f"{source}: rope_type '{rope['rope_type']}' is not supported for Qwen3ForCausalLM; "
@@ -139,7 +140,7 @@ def _qwen3_args_from_hf(config: dict, source: str) -> Qwen3ModelArgs:
                           "max_position_embeddings need none)")
     # Tied checkpoints are built untied (tying breaks FSDP and pipelining in torchtitan 0.2.2);
     # hf.load_policy copies the embedding into the output weight.
-    return Qwen3ModelArgs(**common, head_dim=hf.get("head_dim") or common["dim"] // common["n_heads"],
+    return Qwen3ModelArgs(**common, head_dim=hf.need("head_dim"),
                           hidden_dim=hf.need("intermediate_size"), rope_theta=theta, qk_norm=True,
                           enable_weight_tying=False)
 
