@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
-from titan_draft.config import ConfigError
+from titan_draft.errors import ConfigError
 from titan_draft.models import tap_layers
 from torchtitan.components.checkpoint import CheckpointManager, ModelWrapper
 

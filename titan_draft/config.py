@@ -12,6 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from titan_draft.errors import ConfigError  # noqa: F401  (re-exported: callers catch config.ConfigError)
+
 
 @dataclass
 class Task:
@@ -116,10 +118,6 @@ class JobConfig:
     rollout: Rollout = field(default_factory=Rollout)
 
 
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the key and the fix."""
-
-
 def parse_config(args: list[str]):
     """torchtitan's parser (TOML < CLI) with this module's sections always merged in."""
     from torchtitan.config import ConfigManager
@@ -134,8 +132,10 @@ def validate(cfg, world_size: int) -> None:
 
     Runs before any process group exists, so a bad config never half-starts a job.
     """
+    from titan_draft.hf import check_hf_assets
     from titan_draft.models import policy_args, tap_layers
 
+    check_hf_assets(cfg, needs_tokenizer=cfg.task.name == "jsonl")  # first: the model's shape may come from there
     args = policy_args(cfg)
     n_layers, vocab_size = args.n_layers, args.vocab_size
 
@@ -274,8 +274,6 @@ def _validate_composition(cfg, world_size: int, args, need) -> None:
     need(ck.async_mode == "disabled", f"checkpoint.async_mode: '{ck.async_mode}' is not supported; use 'disabled'")
     need(not ck.last_save_in_hf, "checkpoint.last_save_in_hf: not supported (a full checkpoint keeps the draft); "
          "export with titan_draft.hf.save_policy and `python -m titan_draft.export_draft`")
-    need(not ck.initial_load_in_hf and not ck.initial_load_path, "checkpoint.initial_load_in_hf / initial_load_path: "
-         "not supported; import Hugging Face weights with titan_draft.hf.load_policy")
     need(ck.keep_latest_k == 0 or ck.keep_latest_k >= 2, f"checkpoint.keep_latest_k: {ck.keep_latest_k} must be 0 "
          "(keep all) or >= 2 (the newest may be mid-save)")
     need(ck.interval >= 1, f"checkpoint.interval: {ck.interval} must be >= 1 (RL steps between checkpoints)")

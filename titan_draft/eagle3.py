@@ -46,7 +46,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
-from titan_draft.config import ConfigError
+from titan_draft.errors import ConfigError
 from titan_draft.io import atomic_directory, full_state_dict, is_writer, read_safetensors
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -261,10 +261,7 @@ def load_draft(draft, folder: str, tap_layers: list[int], *, n_layers: int) -> N
         config = json.load(f)
     lines = config_mismatches(draft, config, tap_layers, n_layers)
     if not lines:
-        try:
-            state = {k: v for k, v in read_safetensors(folder).items() if k != EMBED_KEY}
-        except FileNotFoundError as e:
-            raise ConfigError(f"{e}; an EAGLE-3 draft folder holds its weights as *.safetensors") from None
+        state = {k: v for k, v in read_safetensors(folder, "draft.init_path").items() if k != EMBED_KEY}
         _complete_vocab_maps(draft, state)
         lines = tensor_mismatches(draft, state)
     if lines:

@@ -19,8 +19,7 @@ import torch.distributed.checkpoint as dcp
 from titan_draft.checkpoint import IN_RL, NOT_STARTED, SFT_DONE, WARMUP_DONE, TrainState
 from titan_draft.config import ConfigError, parse_config
 from titan_draft.eagle3 import BOTH_ENGINES, ENGINES, export_draft, tap_layer_ids
-from titan_draft.models import build_draft
-from titan_draft.models.policy import model_args
+from titan_draft.models import build_draft, policy_args
 
 PHASES = {NOT_STARTED: "NOT_STARTED (nothing trained)",
           SFT_DONE: "SFT_DONE (the policy after SFT, draft not warmed up)",
@@ -68,7 +67,7 @@ def main(argv: list[str]) -> None:
     cfg = parse_config(job_args)
     folder = checkpoint_step_folder(known.checkpoint)
     check_draft_trained(folder)
-    args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
+    args = policy_args(cfg)
     draft, layers = build_draft(cfg, args, torch.device("cpu"))
     tap_layer_ids(layers, args.n_layers, known.engine)  # refuse before reading the weights
     state = {"draft": draft.state_dict(), "tok_embeddings.weight": torch.empty(args.vocab_size, args.dim)}

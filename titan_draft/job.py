@@ -9,6 +9,8 @@ import torch
 from titan_draft import _compat
 from titan_draft.checkpoint import NOT_STARTED, SFT_DONE, WARMUP_DONE, JobCheckpoint, OptimizerState
 from titan_draft.cotrain import CoTrainSpec, DraftOptimizer
+from titan_draft.eagle3 import load_draft
+from titan_draft.hf import load_policy
 from titan_draft.metrics import MetricsLogger
 from titan_draft.models import build_models
 from titan_draft.parallel.parallelize import dp_rank_and_degree, parallelize_draft, parallelize_policy, training_autocast
@@ -49,6 +51,10 @@ def build_job(cfg, metrics: MetricsLogger, dims=None) -> Job:
         "warmup": torch.Generator().manual_seed(seed + 3),
     }
     args, policy, draft, layers = build_models(cfg, device)
+    if cfg.checkpoint.initial_load_path:  # a Hugging Face policy (a resumed checkpoint overrides it later)
+        load_policy(policy, cfg.model.name, args, cfg.checkpoint.initial_load_path)
+    if cfg.draft.init_path:  # a published EAGLE-3 draft, its vocabulary maps included
+        load_draft(draft, cfg.draft.init_path, layers, n_layers=args.n_layers)
     task = build_task(cfg, args.vocab_size)
     if dims is not None:
         parallelize_policy(policy, dims, cfg)
@@ -65,7 +71,8 @@ def warm_start(job: Job, draft_opt: DraftOptimizer, checkpoint: JobCheckpoint | 
         if checkpoint is not None:
             checkpoint.save(SFT_DONE)
     if resume_phase < WARMUP_DONE:
-        draft_vocab_from_data(job.task, job.draft, job.generators["data"])
+        if not cfg.draft.init_path:  # a loaded draft brings its own vocabulary
+            draft_vocab_from_data(job.task, job.draft, job.generators["data"])
         if cfg.draft.mode != "none":
             warmup_draft(job.policy, job.draft, job.task, job.spec, optimizer=draft_opt, steps=cfg.draft.warmup_steps,
                          batch_size=cfg.rl.sft_batch_size,

@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 
-from titan_draft.config import ConfigError
+from titan_draft.errors import ConfigError
 
 LOCK_NAME = "job.lock"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

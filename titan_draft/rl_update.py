@@ -16,7 +16,7 @@ from torch import nn
 
 from titan_draft.cotrain import draft_loss
 from titan_draft.grpo import grpo_objective, next_token_logprobs
-from titan_draft.models.policy import TapRecorder, build_policy, forward_packed
+from titan_draft.models.policy import TapRecorder, forward_packed, job_model_args, policy_from_args
 from titan_draft.parallel.context_parallel import apply_context_parallel, shard_batch_for_cp
 from titan_draft.parallel.parallelize import cp_mesh, loss_group, loss_scale, parallelize_policy, sum_over_dp
 from titan_draft.step import RolloutBatch, StepSums
@@ -41,8 +41,7 @@ class WholePolicy:
         if dims is None:
             reference = copy.deepcopy(policy)
         else:  # FSDP modules cannot be deep-copied: the same layout, then the (sharded) state
-            reference = parallelize_policy(build_policy(cfg.model.name, cfg.model.flavor, cfg.training.seq_len),
-                                           dims, cfg)
+            reference = parallelize_policy(policy_from_args(job_model_args(cfg)), dims, cfg)
             reference.load_state_dict(policy.state_dict())
         self.cp_mesh = cp_mesh(dims)
         if self.cp_mesh is not None:

@@ -1,6 +1,6 @@
 """The job's two models: the policy (policy.py) and its EAGLE-3 draft (draft.py), built from the job config."""
 from titan_draft.models.draft import EagleDraft, draft_args_for
-from titan_draft.models.policy import build_policy, model_args
+from titan_draft.models.policy import job_model_args, policy_from_args
 
 
 def default_tap_layers(n_layers: int) -> list[int]:
@@ -14,8 +14,9 @@ def tap_layers(draft_cfg, n_layers: int) -> list[int]:
 
 
 def policy_args(cfg):
-    """The policy's torchtitan model args from the job config ([model] name / flavor, training.seq_len)."""
-    return model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
+    """The policy's torchtitan model args from the job config ([model] name / flavor / hf_assets_path,
+    training.seq_len)."""
+    return job_model_args(cfg)
 
 
 def build_draft(cfg, args, device) -> tuple[EagleDraft, list[int]]:
@@ -31,6 +32,6 @@ def build_draft(cfg, args, device) -> tuple[EagleDraft, list[int]]:
 def build_models(cfg, device):
     """(policy args, policy, draft, tap layers): both models initialised from the config's seed."""
     args = policy_args(cfg)
-    policy = build_policy(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, seed=cfg.debug.seed)
+    policy = policy_from_args(args, seed=cfg.debug.seed)
     draft, layers = build_draft(cfg, args, device)
     return args, policy, draft, layers

@@ -5,6 +5,7 @@ Two small changes to a plain torchtitan model, both reversible and both invisibl
   titan_draft.ops.branch_attention with no branch; context parallelism swaps in its ring op);
 - `TapRecorder` hooks record the token embeddings and the outputs of the tap layers, detached.
 """
+import copy
 from collections.abc import Callable
 
 import torch
@@ -13,6 +14,8 @@ from torch import nn
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from torchtitan.models.attention import VarlenMetadata
 
+from titan_draft.errors import ConfigError
+from titan_draft.models.families import family, family_of_args, hf_model_args
 from titan_draft.packing import PackedBatch
 
 # Small flavors for laptops and CI; torchtitan's own flavors ("debugmodel", "8B", ...) work too.
@@ -26,44 +29,49 @@ TINY_FLAVORS = {
 }
 
 
-def model_args(name: str, flavor: str, max_seq_len: int):
-    """torchtitan model args for (name, flavor), set up for packed varlen attention."""
-    if name == "llama3":
-        from torchtitan.models.llama3 import TransformerModelArgs, llama3_args as registry
-    elif name == "qwen3":
-        from torchtitan.models.qwen3 import Qwen3ModelArgs as TransformerModelArgs, qwen3_args as registry
-    else:
-        raise ValueError(f"model.name: '{name}' is not supported; use 'llama3' or 'qwen3'")
-    if flavor in TINY_FLAVORS:
+def model_args(name: str, flavor: str, max_seq_len: int, hf_assets_path: str = ""):
+    """torchtitan model args for (name, flavor), set up for packed varlen attention.
+
+    flavor "hf" reads the shape from <hf_assets_path>/config.json (families.hf_model_args)."""
+    fam = family(name)
+    if flavor == "hf":
+        args = hf_model_args(name, hf_assets_path)
+    elif flavor in TINY_FLAVORS:
         extra = dict(TINY_FLAVORS[flavor])
-        if name == "qwen3":
+        if fam.name == "qwen3":
             extra.pop("multiple_of")
-            extra.update(head_dim=extra["dim"] // extra["n_heads"], hidden_dim=3 * extra["dim"],
-                         enable_weight_tying=False)
-        args = TransformerModelArgs(**extra)
-    elif flavor in registry:
-        args = registry[flavor]
+            extra.update(head_dim=extra["dim"] // extra["n_heads"], hidden_dim=3 * extra["dim"])
+        args = fam.args_cls(**extra)
+    elif flavor in fam.flavors:
+        args = copy.deepcopy(fam.flavors[flavor])  # torchtitan's registry entry stays as it is
     else:
-        raise ValueError(f"model.flavor: '{flavor}' is unknown; use one of {sorted(TINY_FLAVORS) + sorted(registry)}")
+        raise ConfigError(f"model.flavor: '{flavor}' is unknown for model.name '{name}'; use 'hf' or one of "
+                          f"{sorted(TINY_FLAVORS) + sorted(fam.flavors)}")
     args.max_seq_len = max_seq_len
     args.attn_type, args.attn_mask_type = "varlen", "block_causal"
-    if name == "qwen3":
+    if hasattr(args, "enable_weight_tying"):
         args.enable_weight_tying = False  # tied embeddings break FSDP and pipelining in torchtitan 0.2.2
     return args
 
 
-def build_policy(name: str, flavor: str, max_seq_len: int, seed: int | None = None, device=None) -> nn.Module:
+def job_model_args(cfg):
+    """model_args of a job config: [model] name / flavor / hf_assets_path, training.seq_len."""
+    return model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, cfg.model.hf_assets_path)
+
+
+def build_policy(name: str, flavor: str, max_seq_len: int, seed: int | None = None, device=None, *,
+                 hf_assets_path: str = "") -> nn.Module:
     """A freshly initialised policy on `device` (default: the current one), with packed attention installed
     (on "meta": the structure only, for splitting into pipeline stages)."""
-    if name == "llama3":
-        from torchtitan.models.llama3 import Transformer as Model
-    else:
-        from torchtitan.models.qwen3 import Qwen3Model as Model
-    args = model_args(name, flavor, max_seq_len)
+    return policy_from_args(model_args(name, flavor, max_seq_len, hf_assets_path), seed, device)
+
+
+def policy_from_args(args, seed: int | None = None, device=None) -> nn.Module:
+    """build_policy for torchtitan args already made (e.g. model_args with some sizes changed)."""
     if seed is not None:
         torch.manual_seed(seed)
     with torch.device(device or _compat.device()):
-        model = Model(args)
+        model = family_of_args(args).model_cls(args)
     with torch.no_grad():
         model.init_weights()
     install_packed_attention(model)

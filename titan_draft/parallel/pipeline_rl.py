@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 
 from titan_draft import _compat
-from titan_draft.models.policy import build_policy
+from titan_draft.models.policy import job_model_args, policy_from_args
 from titan_draft.parallel.context_parallel import apply_context_parallel
 from titan_draft.parallel.parallelize import cp_mesh, loss_group, loss_scale, parallelize_policy
 from titan_draft.parallel.pipeline import (
@@ -99,7 +99,7 @@ class PipelinedPolicy:
         self.schedule = cfg.parallelism.pipeline_parallel_schedule
         weights = full_state(job.policy)
         # The structure only (meta), which split_policy copies into stage parts.
-        self.skeleton = build_policy(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, device="meta")
+        self.skeleton = policy_from_args(job_model_args(cfg), device="meta")
         self.parts = self._split(weights)
         self.reference_parts = [part.requires_grad_(False) for part in self._split(weights)]
         self.optimizer = policy_optimizer(self.parts, cfg.rl)

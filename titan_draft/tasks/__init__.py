@@ -4,7 +4,7 @@
 answers, your Hugging Face tokenizer) or "arith" (step-by-step addition with heavy-tailed answer
 lengths). The job, the warm starts and the benches see only `Task` and `Prompts`.
 """
-from titan_draft.config import ConfigError
+from titan_draft.errors import ConfigError
 from titan_draft.tasks import arith, jsonl, sort
 from titan_draft.tasks.base import Prompts, Task, Tokenizer
 

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from titan_draft.config import ConfigError
+from titan_draft.errors import ConfigError
 from titan_draft.tasks.base import Prompts, response_budget
 
 PAD, BOS, EOS, SEP = 0, 1, 2, 3

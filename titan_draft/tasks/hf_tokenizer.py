@@ -2,7 +2,7 @@
 import json
 import os
 
-from titan_draft.config import ConfigError
+from titan_draft.errors import ConfigError
 
 
 def load_hf_tokenizer(path: str):

@@ -16,7 +16,7 @@ from fractions import Fraction
 
 import torch
 
-from titan_draft.config import ConfigError
+from titan_draft.errors import ConfigError
 from titan_draft.tasks.base import Prompts, check_prompts_fit, response_budget
 from titan_draft.tasks.hf_tokenizer import HFTokenizer
 
