@@ -1,6 +1,6 @@
 """The EAGLE-3 draft and its multi-pass training-time test (TTT).
 
-Conventions (shared/DESIGN.md section 2), for an anchor i of a document and pass d = 1..D:
+Conventions (docs/DESIGN.md section 2), for an anchor i of a document and pass d = 1..D:
 - input: concat(input_layernorm(e(x_{i+d})), hidden_norm(h^{d-1}_i)); h^0 = fc(taps at i);
   h^d is the pre-norm output of the decoder layer; gradients flow across passes;
 - RoPE position of pass d's query and key: pos(i) + d - 1;
