@@ -15,7 +15,7 @@ from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.checkpoint import IN_RL, MANIFEST, SFT_DONE, WARMUP_DONE, JobCheckpoint
 from titan_draft.config import ConfigError, parse_config
 from titan_draft.parallel.parallelize import init_process_group
-from titan_draft.train import build_models
+from titan_draft.models import build_models
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = ["--job.config_file", os.path.join(ROOT, "train_configs", "sort_tiny_cpu.toml"), "--model.flavor", "tiny_gqa",

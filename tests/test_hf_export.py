@@ -19,12 +19,10 @@ from safetensors.torch import load_file, save_file
 from titan_draft import _compat  # noqa: F401
 from titan_draft.checkpoint import IN_RL, SFT_DONE, WARMUP_DONE, TrainState
 from titan_draft.config import ConfigError, parse_config
-from titan_draft.models import default_tap_layers
-from titan_draft.cotrain import local_draft_inputs
 from titan_draft.eagle3 import IDS_KEY, engine_default_taps, export_draft, load_draft, tap_layer_ids
 from titan_draft.export_draft import main as export_draft_main
 from titan_draft.hf import load_policy, save_policy
-from titan_draft.models import build_draft
+from titan_draft.models import build_draft, default_tap_layers
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.packing import pack
@@ -140,7 +138,7 @@ def test_exported_draft_matches_engine_layout_and_reloads(tmp_path):
     tokens = torch.randint(0, args.vocab_size, (11,), generator=g)
     batch = pack([tokens], [torch.ones(11, dtype=torch.bool)])
     taps = torch.randn(11, 3 * args.dim, generator=g)
-    shift, attn = local_draft_inputs(batch)
+    shift, attn = batch.shift(3), batch.draft_attention
     with torch.no_grad():
         states = draft.ttt_forward(embed[tokens], taps, batch.positions, 1, shift, attn)
         want = draft.logits(states[0])

@@ -51,8 +51,11 @@ CASES = [  # (world size, overrides, exact message)
      "checkpoint.last_save_in_hf: not supported (a full checkpoint keeps the draft); export with "
      "titan_draft.hf.save_policy and `python -m titan_draft.export_draft`"),
     (1, ["--checkpoint.initial_load_path", "/somewhere"],
-     "checkpoint.initial_load_in_hf / initial_load_path: not supported; import Hugging Face weights with "
-     "titan_draft.hf.load_policy"),
+     "checkpoint.initial_load_path: '/somewhere' is read as Hugging Face safetensors only; set "
+     "checkpoint.initial_load_in_hf = true"),
+    (1, ["--checkpoint.initial_load_path", "/somewhere", "--checkpoint.initial_load_in_hf"],
+     "checkpoint.initial_load_path: '/somewhere' is not a folder; point it at the Hugging Face model folder that "
+     "holds the safetensors"),
     (1, ["--checkpoint.keep_latest_k", "1"],
      "checkpoint.keep_latest_k: 1 must be 0 (keep all) or >= 2 (the newest may be mid-save)"),
     (1, ["--checkpoint.interval", "0"],

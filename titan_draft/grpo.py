@@ -1,4 +1,4 @@
-"""GRPO: group-relative advantages and the clipped, token-level policy-gradient loss."""
+"""GRPO: group-relative advantages and the clipped, token-level policy-gradient loss (docs/DESIGN.md section 6)."""
 import torch
 import torch.nn.functional as F
 

@@ -1,4 +1,4 @@
-"""Shifted inputs across zigzag shard edges: the context-parallel twin of models.draft.DocumentShift.
+"""Shifted inputs across zigzag shard edges (docs/DESIGN.md section 3.8): the context-parallel twin of packing.DocumentShift.
 
 Pass d of the draft at anchor i reads row i + d (token embedding, teacher logits, loss mask) of
 the same document. For the last d rows of a local chunk that row lives in the chunk that follows
