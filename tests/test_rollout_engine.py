@@ -1,5 +1,6 @@
 """The rollout engine against obviously-correct references: torchtitan's own packed forward (no
-cache), the training-time draft (ttt_forward + branch_attention), and plain greedy decoding."""
+cache), the training-time draft (ttt_forward + branch_attention), plain greedy decoding, and the
+policy's exact distribution of the first response tokens; and its goodput controller."""
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.packing import pack
 from titan_draft.rollout import RolloutEngine, probs_from_logits
+from titan_draft.rollout.engine import GoodputController, StepShape
 
 DEVICE = _compat.device()  # the engine runs where the policy does: the CUDA path on a GPU machine
 
@@ -18,8 +20,9 @@ VOCAB = 32
 NEVER = VOCAB  # an eos id no model can emit
 
 
-def make(name="llama3", max_batch_size=4, draft_vocab=24, seed=0):
-    """float64 policy (GQA 4/2), a random draft over part of the vocabulary, and an engine."""
+def make(name="llama3", max_batch_size=4, draft_vocab=24, seed=0, **engine_kwargs):
+    """float64 policy (GQA 4/2), a random draft over part of the vocabulary, and an engine
+    (float64 unless engine_kwargs say otherwise)."""
     args = model_args(name, "tiny_gqa", MAX_LEN)
     policy = build_policy(name, "tiny_gqa", MAX_LEN, seed=seed).double()
     dargs = draft_args_for(args, len(TAPS), draft_vocab_size=draft_vocab, n_heads=4, n_kv_heads=2)
@@ -27,9 +30,59 @@ def make(name="llama3", max_batch_size=4, draft_vocab=24, seed=0):
     draft.init_weights()
     draft.set_vocab(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values)
     draft.double().to(DEVICE)
-    engine = RolloutEngine(args, dargs, TAPS, max_batch_size, MAX_LEN, DEVICE, torch.float64)
+    return policy, draft, engine_for(policy, draft, max_batch_size, name=name, **engine_kwargs)
+
+
+def engine_for(policy, draft, max_batch_size, *, name="llama3", dtype=torch.float64, **kwargs):
+    engine = RolloutEngine(model_args(name, "tiny_gqa", MAX_LEN), draft.args, TAPS, max_batch_size, MAX_LEN, DEVICE,
+                           dtype, **kwargs)
     engine.load_weights(policy, draft)
-    return policy, draft, engine
+    return engine
+
+
+class ScheduledK:
+    """A stand-in for the goodput controller that plays a fixed sequence of K (cycled, capped)."""
+
+    def __init__(self, schedule):
+        self.schedule, self.step = schedule, 0
+
+    def new_call(self):
+        self.step = 0
+
+    def choose(self, bucket, max_k):
+        self.step += 1
+        return min(self.schedule[(self.step - 1) % len(self.schedule)], max_k)
+
+    def observe_cost(self, bucket, K, seconds):
+        pass
+
+    def observe_acceptance(self, accepted, drafted):
+        pass
+
+
+def variable_prompts(lengths, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, VOCAB, (n,), generator=gen) for n in lengths]
+
+
+def assert_layout(out, prompts, eos_id, max_new_tokens):
+    """Row b: its prompt in columns 0..p_b-1, its response right after (ending at the first eos or
+    at the budget), eos_id in every later column."""
+    lengths = [len(p) for p in prompts]
+    assert out.tokens.shape == (len(prompts), max(lengths) + max_new_tokens)
+    assert out.prompt_lengths.tolist() == lengths
+    for b, prompt in enumerate(prompts):
+        n = int(out.response_lengths[b])
+        response = out.tokens[b, lengths[b]:lengths[b] + n]
+        assert torch.equal(out.tokens[b, :lengths[b]], prompt.cpu())
+        assert 1 <= n <= max_new_tokens and (response[:-1] != eos_id).all()
+        assert n == max_new_tokens or int(response[-1]) == eos_id
+        assert (out.tokens[b, lengths[b] + n:] == eos_id).all()
+
+
+def compacted(engine) -> bool:
+    """Whether some decode step of the engine ran on fewer slots than its call had rows."""
+    return any(isinstance(key, StepShape) and key.rows < key.full for key in engine._steps)
 
 
 @torch.no_grad()
@@ -112,30 +165,47 @@ def reference_greedy(policy, prompt, max_new_tokens, eos_id):
     return seq
 
 
-def test_greedy_speculative_equals_plain_greedy():
-    """Token for token, batched and row by row, with a random draft (most drafts rejected) and an
-    eos that ends some rows in the middle of the batch."""
-    policy, _, engine = make()
-    gen = torch.Generator().manual_seed(3)
-    B, P, N = 4, 6, 16
-    prompts = torch.randint(4, VOCAB, (B, P), generator=gen)
+GREEDY_MODES = [dict(num_speculative_tokens=0), dict(num_speculative_tokens=2), dict(num_speculative_tokens=5),
+                dict(num_speculative_tokens=3, adaptive=True), dict(num_speculative_tokens=3, schedule=[2, 0, 0, 0, 0, 0, 3, 1, 0])]
+
+
+@pytest.mark.parametrize("mode", GREEDY_MODES, ids=["plain", "K2", "K5", "adaptive", "K_schedule"])
+def test_greedy_speculative_equals_plain_greedy(mode):
+    """Token for token, batched and row by row, from prompts of different lengths, with a random
+    draft (most drafts rejected) and an eos that ends some rows in the middle of the batch (the
+    batch is compacted as they finish); K fixed, chosen by the goodput controller, or changing
+    between steps on a schedule (with the stage of K = 0 steps filled and flushed)."""
+    mode = dict(mode)
+    schedule = mode.pop("schedule", None)
+    adaptive = mode.pop("adaptive", False) or schedule is not None
+    policy, _, engine = make(max_speculative_tokens=3 if schedule else 8)
+    if schedule:
+        engine.controller = ScheduledK(schedule)
+    prompts = variable_prompts([6, 3, 8, 5], seed=5)
+    N = 16
     free = engine.generate(prompts, N, num_speculative_tokens=0, temperature=0, eos_id=NEVER)
-    # An eos that some rows emit and others never do: rows end at different steps.
-    responses = free.tokens[:, P:]
-    eos_id = next(int(t) for t in responses.flatten() if not all(t in r for r in responses))
+    # An eos that ends two rows early and never comes in the others: rows end at different steps
+    # and the batch shrinks to two slots.
+    responses = [free.tokens[b, len(p):] for b, p in enumerate(prompts)]
+    eos_id = next(t for t in range(VOCAB) if sum(t in r for r in responses) == 2)
     refs = [reference_greedy(policy, p, N, eos_id) for p in prompts]
-    assert any(len(r) < P + N for r in refs) and any(len(r) == P + N for r in refs)
-    for K in (0, 2, 5):
-        out = engine.generate(prompts, N, num_speculative_tokens=K, temperature=0, eos_id=eos_id)
-        for b, ref in enumerate(refs):
-            assert torch.equal(out.tokens[b, : len(ref)], ref), (K, b)
-            assert int(out.response_lengths[b]) == len(ref) - P
-            assert (out.tokens[b, len(ref):] == eos_id).all()
-        if K:
-            assert 1.0 <= out.acceptance_length <= K + 1
-            assert out.per_position_acceptance.shape == (K,)
-        single = engine.generate(prompts[2:3], N, num_speculative_tokens=K, temperature=0, eos_id=eos_id)
-        assert torch.equal(single.tokens[0], out.tokens[2])
+    assert sum(len(r) < len(p) + N for r, p in zip(refs, prompts)) == 2
+    out = engine.generate(prompts, N, temperature=0, eos_id=eos_id, adaptive=adaptive, **mode)
+    assert_layout(out, prompts, eos_id, N)
+    for b, (prompt, ref) in enumerate(zip(prompts, refs)):
+        assert torch.equal(out.tokens[b, : len(ref)], ref), b
+        assert int(out.response_lengths[b]) == len(ref) - len(prompt)
+    assert compacted(engine)
+    K = mode["num_speculative_tokens"]
+    if K:
+        assert 1.0 <= out.acceptance_length <= K + 1
+        assert out.per_position_acceptance.shape == out.drafted_per_position.shape == (K,)
+        assert out.num_draft_tokens == int(out.drafted_per_position.sum()) > 0
+        assert out.num_accepted_tokens == int(out.accepted_per_position.sum())
+    if schedule:  # every K ran, and five K = 0 steps in a row overfilled the stage (max_k + 1 = 4 columns)
+        assert (out.steps_per_k > 0).all()
+    single = engine.generate(prompts[2:3], N, temperature=0, eos_id=eos_id, adaptive=adaptive, **mode)
+    assert torch.equal(single.tokens[0], out.tokens[2, :single.tokens.shape[1]])
 
 
 def test_perfect_draft_accepts_everything():
@@ -147,7 +217,7 @@ def test_perfect_draft_accepts_everything():
     plain = engine.generate(prompts, N, num_speculative_tokens=0, temperature=0, eos_id=NEVER)
     target = plain.tokens.to(DEVICE)  # before any capture: a CUDA graph cannot copy from the host
 
-    def oracle(hidden, anchor, K, temperature, top_p, generator):
+    def oracle(hidden, anchor, K, temperature, top_p, noise):
         # t_k must be the token at position anchor + 1 + k of the greedy sequence.
         pos = (anchor[:, None] + 2 + torch.arange(K, device=DEVICE)).clamp(max=target.shape[1] - 1)
         tokens = target[torch.arange(len(anchor), device=DEVICE)[:, None], pos]
@@ -161,51 +231,68 @@ def test_perfect_draft_accepts_everything():
     assert torch.equal(out.per_position_acceptance[:2], torch.ones(2))
 
 
-def test_caches_after_rollback_equal_fresh_prefill():
-    """After sampled speculative generation (many rejections), the policy cache of every row equals
-    a fresh prefill of its accepted tokens, and so do the draft's trunk keys."""
-    policy, draft, engine = make()
-    gen = torch.Generator().manual_seed(5)
-    B, P, N, K = 3, 5, 24, 3
-    prompts = torch.randint(4, VOCAB, (B, P), generator=gen)
+@pytest.mark.parametrize("schedule", [None, [3, 0, 0, 0, 0, 0, 2, 0, 1]], ids=["K3", "K_schedule"])
+def test_caches_after_rollback_equal_fresh_prefill(schedule):
+    """After sampled speculative generation (many rejections) from prompts of different lengths,
+    the policy cache of every row equals a fresh prefill of its accepted tokens, and so do the
+    draft's trunk keys (no compaction, so that every row keeps its slot); also when K changes
+    between steps and K = 0 steps leave their anchors to a later stage flush."""
+    policy, draft, engine = make(compact=False, max_speculative_tokens=3)
+    if schedule:
+        engine.controller = ScheduledK(schedule)
+    B, N, K = 3, 24, 3
+    prompts = variable_prompts([5, 2, 7], seed=5)
     out = engine.generate(prompts, N, num_speculative_tokens=K, temperature=1.0, eos_id=NEVER,
-                          generator=torch.Generator(DEVICE).manual_seed(5))
+                          generator=torch.Generator(DEVICE).manual_seed(5), adaptive=schedule is not None)
     assert out.acceptance_length < K + 1  # there were rejections
-    fresh = RolloutEngine(model_args("llama3", "tiny_gqa", MAX_LEN), draft.args, TAPS, B, MAX_LEN, DEVICE, torch.float64)
-    fresh.load_weights(policy, draft)
-    length = P + N  # no eos: every row ran to its budget
-    seqs = out.tokens.to(DEVICE)
-    _, taps, _ = fresh.policy_forward(seqs[:, : length - 1], torch.arange(length - 1, device=DEVICE).expand(B, -1))
-    for layer in range(len(engine.k_cache)):
-        torch.testing.assert_close(engine.k_cache[layer][:B, : length - 1], fresh.k_cache[layer][:B, : length - 1],
-                                   rtol=0, atol=1e-10)
-        torch.testing.assert_close(engine.v_cache[layer][:B, : length - 1], fresh.v_cache[layer][:B, : length - 1],
-                                   rtol=0, atol=1e-10)
-    fresh.draft_extend(fresh.policy.tok_embeddings(seqs[:, 1:length]), taps, torch.zeros(B, dtype=torch.long, device=DEVICE),
-                       torch.full((B,), length - 1, device=DEVICE))
-    # The last verify step of a row starts at most K + 1 tokens before its end; the trunk holds
-    # every anchor before that step's first position.
-    known = length - 1 - (K + 1)
-    torch.testing.assert_close(engine.draft_k[:B, :known], fresh.draft_k[:B, :known], rtol=0, atol=1e-10)
-    torch.testing.assert_close(engine.draft_v[:B, :known], fresh.draft_v[:B, :known], rtol=0, atol=1e-10)
+    fresh = engine_for(policy, draft, B)
+    seqs = out.tokens.to(DEVICE).clamp(max=VOCAB - 1)  # the eos fill past the ends is never attended
+    width = seqs.shape[1]
+    _, taps, _ = fresh.policy_forward(seqs[:, :-1], torch.arange(width - 1, device=DEVICE).expand(B, -1))
+    fresh.draft_extend(fresh.policy.tok_embeddings(seqs[:, 1:]), taps, torch.zeros(B, dtype=torch.long, device=DEVICE),
+                       torch.full((B,), width - 1, device=DEVICE))
+    for b, prompt in enumerate(prompts):
+        length = len(prompt) + N  # no eos: every row ran to its budget
+        for layer in range(len(engine.k_cache)):
+            for cache, ref in ((engine.k_cache, fresh.k_cache), (engine.v_cache, fresh.v_cache)):
+                torch.testing.assert_close(cache[layer][b, : length - 1], ref[layer][b, : length - 1], rtol=0, atol=1e-10)
+        # The last verify step of a row starts at most K + 1 tokens before its end; the trunk holds
+        # every anchor before that step's first position, but for up to max_k + 1 staged K = 0 steps.
+        known = length - 1 - (K + 1) - (K + 1 if schedule else 0)
+        torch.testing.assert_close(engine.draft_k[b, :known], fresh.draft_k[b, :known], rtol=0, atol=1e-10)
+        torch.testing.assert_close(engine.draft_v[b, :known], fresh.draft_v[b, :known], rtol=0, atol=1e-10)
 
 
-def test_sampled_speculative_generation_is_lossless():
-    """End to end at temperature 0.8 / top-p 0.9: the distribution of the second response token
-    (which follows an accepted or rejected draft) equals the policy's exact marginal."""
-    policy, _, engine = make(max_batch_size=2000)
-    prompt = torch.tensor([1, 7, 9, 4, 12])
-    P, n = len(prompt), 2000
-    gen = torch.Generator(DEVICE).manual_seed(6)
-    out = engine.generate(prompt.expand(n, P).contiguous(), 3, num_speculative_tokens=2, temperature=0.8,
-                          top_p=0.9, eos_id=NEVER, generator=gen)
-    first = probs_from_logits(reference_logits(policy, [prompt])[0][-1], 0.8, 0.9)
-    support = first.nonzero()[:, 0].cpu()
-    seqs = [torch.cat([prompt, t[None]]) for t in support]
-    second = probs_from_logits(torch.stack([reference_logits(policy, [s])[0][-1] for s in seqs]), 0.8, 0.9)
-    marginal = (first[support, None] * second).sum(0).double().cpu()
-    counts = torch.bincount(out.tokens[:, P + 1], minlength=VOCAB).double()
-    expected = marginal * n
+def next_token_probs(policy, seqs, temperature, top_p):
+    """The policy's sampling distribution after each sequence, [len(seqs), V] float64."""
+    logits, _, _, batch = reference_logits(policy, seqs)
+    last = batch.cu_seqlens[1:].long() - 1
+    return probs_from_logits(logits.reshape(-1, VOCAB)[last], temperature, top_p).double().cpu()
+
+
+def response_distributions(policy, prompt, depth, temperature, top_p, eos_id):
+    """Exact distribution [depth, V] of response tokens 0..depth-1 after prompt (eos_id in the
+    columns after a row has ended), by enumerating every prefix the policy can sample."""
+    dist = torch.zeros(depth, VOCAB, dtype=torch.float64)
+    live, ended = [(prompt, 1.0)], 0.0  # prefixes still running with their probabilities
+    for j in range(depth):
+        dist[j, eos_id] += ended
+        grown = []
+        for (seq, weight), probs in zip(live, next_token_probs(policy, [s for s, _ in live], temperature, top_p)):
+            dist[j] += weight * probs
+            for t in probs.nonzero()[:, 0].tolist():
+                if t == eos_id:
+                    ended += weight * float(probs[t])
+                else:
+                    grown.append((torch.cat([seq, torch.tensor([t])]), weight * float(probs[t])))
+        live = grown
+    return dist
+
+
+def assert_follows(samples, probs):
+    """Chi-square goodness of fit of token samples [n] to probs [V] at the 0.999 level."""
+    counts = torch.bincount(samples, minlength=VOCAB).double()
+    expected = probs * len(samples)
     assert counts[expected == 0].sum() == 0
     big = expected >= 5  # pool the rare tokens into one bin
     obs = torch.cat([counts[big], counts[~big].sum()[None]])
@@ -214,28 +301,171 @@ def test_sampled_speculative_generation_is_lossless():
     # 0.999 quantiles of chi-square for df = 1..31 are below 3.3 * df + 11.
     df = len(obs) - 1
     assert stat < 3.3 * df + 11, (stat, df)
-    assert out.acceptance_length > 1.0  # the draft was used
+
+
+LOSSLESS_MODES = [dict(num_speculative_tokens=2), dict(num_speculative_tokens=3, adaptive=True),
+                  dict(num_speculative_tokens=3, schedule=[2, 0, 3, 1])]
+
+
+@pytest.mark.parametrize("mode", LOSSLESS_MODES, ids=["K2", "adaptive", "K_schedule"])
+def test_sampled_speculative_generation_is_lossless(mode):
+    """End to end at temperature 0.8 / top-p 0.9, from two prompts of different lengths in one
+    batch, with an eos that ends many rows early (the batch shrinks as they do): the first three
+    response tokens of each prompt's rows follow the policy's exact distributions; with K fixed,
+    chosen by the goodput controller, or changing between steps (a K = 0 step, then drafts)."""
+    mode = dict(mode)
+    schedule = mode.pop("schedule", None)
+    adaptive = mode.pop("adaptive", False) or schedule is not None
+    policy, _, engine = make(max_batch_size=2000, max_speculative_tokens=3)
+    if schedule:
+        engine.controller = ScheduledK(schedule)
+    prompts = [torch.tensor([1, 7, 9, 4, 12]), torch.tensor([3, 30, 2, 17, 5, 5, 11, 8])]
+    n, depth, eos_id = 1000, 3, 12
+    out = engine.generate([prompts[b % 2] for b in range(2 * n)], 4, temperature=0.8, top_p=0.9, eos_id=eos_id,
+                          generator=torch.Generator(DEVICE).manual_seed(6), adaptive=adaptive, **mode)
+    for i, prompt in enumerate(prompts):
+        dist = response_distributions(policy, prompt, depth, 0.8, 0.9, eos_id)
+        assert dist[depth - 1, eos_id] > 0.1  # many rows ended early
+        for j in range(depth):
+            assert_follows(out.tokens[i::2, len(prompt) + j], dist[j])
+    assert compacted(engine) and out.acceptance_length > 1.0  # the draft was used
+    if schedule:  # a K = 0 step (taps staged) after compaction, then a drafting step (stage flushed first)
+        assert out.steps_per_k[0] > 0 and out.steps_per_k[3] > 0
+
+
+# Tokens today's default path sampled before variable-length prompts, compaction and adaptive K
+# existed (generated with the engine of commit c038c3a): equal-length prompts must keep every draw.
+PINNED_PROMPTS_SEED, PINNED_EOS = 21, 9
+PINNED = {
+    0: dict(tokens=[[9, 11, 8, 20, 12, 24, 8, 14, 9, 9, 9, 9, 9, 9, 9],
+                    [24, 28, 31, 4, 26, 13, 10, 13, 17, 0, 22, 17, 11, 26, 20],
+                    [19, 13, 26, 4, 22, 18, 26, 1, 31, 26, 7, 29, 26, 7, 31],
+                    [27, 24, 29, 17, 17, 1, 12, 25, 27, 19, 2, 2, 21, 29, 28]],
+            counts=(30, 30, 9)),
+    3: dict(tokens=[[9, 11, 8, 20, 12, 24, 31, 28, 9, 9, 9, 9, 9, 9, 9],
+                    [24, 28, 31, 4, 26, 13, 16, 15, 24, 25, 17, 11, 5, 14, 6],
+                    [19, 13, 26, 4, 22, 18, 15, 21, 1, 12, 9, 9, 9, 9, 9],
+                    [27, 24, 29, 17, 17, 1, 25, 23, 18, 6, 5, 2, 6, 20, 7]],
+            counts=(20, 26, 7)),
+}
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="pinned CPU random stream")
+@pytest.mark.parametrize("K", [0, 3])
+def test_equal_length_prompts_sample_what_they_sampled_before(K):
+    """[B, P] prompts at temperature 1 / top-p 0.9: the same tokens and counters as before this
+    engine learnt variable lengths, compaction and adaptive K (the batch shrinks to 2 slots here)."""
+    _, _, engine = make()
+    prompts = torch.randint(4, VOCAB, (4, 5), generator=torch.Generator().manual_seed(PINNED_PROMPTS_SEED))
+    out = engine.generate(prompts, 10, num_speculative_tokens=K, temperature=1.0, top_p=0.9, eos_id=PINNED_EOS,
+                          generator=torch.Generator().manual_seed(22))
+    assert out.tokens.tolist() == PINNED[K]["tokens"]
+    assert (out.num_verify_forwards, out.emitted_tokens, out.num_decode_steps) == PINNED[K]["counts"]
+    assert compacted(engine) == (K == 3)
+
+
+@pytest.mark.parametrize("K, schedule", [(3, None), (3, [0, 3, 0, 0, 2, 1])], ids=["K3", "K_schedule"])
+def test_compaction_changes_no_sample(K, schedule):
+    """float32 (the CPU training precision), sampled, prompts of different lengths, rows ending at
+    their own eos: the engine that compacts the batch as rows finish samples exactly the tokens of
+    the one that keeps every row in its slot (random numbers are drawn per original row)."""
+    policy, draft, _ = make()
+    prompts = variable_prompts([3 + b % 5 for b in range(16)], seed=9)
+    outs = []
+    for compact in (True, False):
+        engine = engine_for(policy, draft, 16, dtype=torch.float32, compact=compact)
+        if schedule:
+            engine.controller = ScheduledK(schedule)
+        outs.append(engine.generate(prompts, 14, num_speculative_tokens=K, adaptive=schedule is not None,
+                                    temperature=1.0, eos_id=6, generator=torch.Generator().manual_seed(10)))
+        assert compacted(engine) == compact
+    assert torch.equal(outs[0].tokens, outs[1].tokens)
+    assert torch.equal(outs[0].response_lengths, outs[1].response_lengths)
+    assert torch.equal(outs[0].accepted_per_position, outs[1].accepted_per_position)
+    assert len(set(outs[0].response_lengths.tolist())) > 3  # rows ended at many different steps
+
+
+def test_controller_picks_plain_decoding_when_drafting_does_not_pay():
+    """Each draft token costs half a plain step and is accepted 30% of the time: goodput
+    (1 + 0.3 K) / (1 + 0.5 K) falls with K, so K = 0."""
+    controller = GoodputController(4)
+    controller.observe_acceptance([299] * 4, [999] * 4)  # with the prior's 1 of 1: 300 / 1000 each
+    for K in range(5):
+        controller.observe_cost(64, K, 1.0 + 0.5 * K)
+    assert controller.acceptance_rates() == pytest.approx([0.3] * 4)
+    assert controller.choose(64, 4) == 0
+
+
+def test_controller_picks_the_goodput_optimal_k():
+    """Rates 0.8, 0.6, 0.3, 0.1 per position: 1, 1.8, 2.4, 2.7, 2.8 expected tokens for K = 0..4;
+    at costs 1, 1.2, 1.5, 2, 2.6 that is 1, 1.5, 1.6, 1.35, 1.08 tokens per second: K = 2 (not the
+    most accepted tokens, K = 4, nor the cheapest step, K = 0). A cap on K is respected."""
+    controller = GoodputController(4)
+    controller.observe_acceptance([499, 299, 149, 49], [624, 499, 499, 499])
+    # and 175 more row-steps that drafted position 0 only, accepted 0.8 of the time overall
+    controller.observe_acceptance([300, 0, 0, 0], [375, 0, 0, 0])
+    for K, cost in enumerate([1.0, 1.2, 1.5, 2.0, 2.6]):
+        controller.observe_cost(8, K, cost)
+    assert controller.acceptance_rates() == pytest.approx([0.8, 0.6, 0.3, 0.1])
+    assert [controller.expected_tokens(K) for K in range(5)] == pytest.approx([1, 1.8, 2.4, 2.7, 2.8])
+    assert controller.choose(8, 4) == 2
+    assert controller.choose(8, 1) == 1
+
+
+def test_controller_explores_then_refreshes():
+    """Every K gets a measured cost in a bucket (largest first) before any is judged; costs are a
+    running mean; unused positions drift back to the optimistic prior as calls decay the counts;
+    rates never rise with the position."""
+    controller = GoodputController(3)
+    tried = []
+    for _ in range(4):
+        tried.append(controller.choose(2, 3))
+        controller.observe_cost(2, tried[-1], 1.0)
+    assert tried == [3, 2, 1, 0]
+    assert controller.choose(4, 3) == 3  # another bucket is measured on its own
+    controller.observe_cost(2, 0, 2.0)
+    assert controller.cost[2, 0] == pytest.approx(1.25)
+    controller.observe_acceptance([0, 50, 0], [100, 100, 0])
+    assert controller.acceptance_rates() == pytest.approx([1 / 101, 1 / 101, 1 / 101])
+    for _ in range(40):
+        controller.new_call()
+    assert controller.acceptance_rates() == pytest.approx([1.0] * 3, rel=1e-6)
+
+
+def test_adaptive_generation_follows_the_cost_table():
+    """Through the engine: when drafting is priced out every step runs K = 0 (no draft work, the
+    plain tokens); when drafting is free every step drafts the maximum."""
+    _, _, engine = make()
+    prompts = variable_prompts([4, 6, 5], seed=11)
+    plain = engine.generate(prompts, 12, num_speculative_tokens=0, temperature=0, eos_id=NEVER)
+    for priced_out in (True, False):
+        engine.controller = GoodputController(engine.max_k)
+        # Seconds far above the real step times, which the controller blends in: the table decides.
+        engine.controller.cost = {(b, K): 1e6 * (1 + 10 * K * priced_out) for b in (1, 2, 3) for K in range(4)}
+        out = engine.generate(prompts, 12, num_speculative_tokens=3, adaptive=True, temperature=0, eos_id=NEVER)
+        assert torch.equal(out.tokens, plain.tokens)
+        steps = out.steps_per_k.tolist()
+        assert steps == ([out.num_decode_steps, 0, 0, 0] if priced_out else [0, 0, 0, out.num_decode_steps])
+        assert (out.num_drafts == 0) == priced_out
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs")
 @pytest.mark.parametrize("K, temperature", [(0, 1.0), (3, 0.0), (3, 1.0)])
 def test_cuda_graph_steps_equal_eager_steps(K, temperature):
     """Decode steps replayed from CUDA graphs give the tokens and statistics of the same steps run
-    eagerly (same seed: the graphs draw the same random numbers), over several calls."""
+    eagerly (same seed: the graphs draw the same random numbers), over several calls, from prompts
+    of different lengths with an eos that ends rows early (graphs of smaller buckets)."""
     policy, draft, graphed = make()
-    eager = RolloutEngine(model_args("llama3", "tiny_gqa", MAX_LEN), draft.args, TAPS, 4, MAX_LEN, DEVICE,
-                          torch.float64, cuda_graphs=False)
-    eager.load_weights(policy, draft)
+    eager = engine_for(policy, draft, 4, cuda_graphs=False)
     assert graphed.cuda_graphs and not eager.cuda_graphs
-    gen = torch.Generator().manual_seed(8)
     for call in range(3):
-        prompts = torch.randint(4, VOCAB, (3, 5), generator=gen)
-        a, b = (e.generate(prompts, 20, num_speculative_tokens=K, temperature=temperature, eos_id=NEVER,
+        prompts = variable_prompts([5, 3, 7], seed=8 + call)
+        a, b = (e.generate(prompts, 20, num_speculative_tokens=K, temperature=temperature, eos_id=5,
                            generator=torch.Generator().manual_seed(call)) for e in (graphed, eager))
         assert torch.equal(a.tokens, b.tokens), call
         assert (a.num_verify_forwards, a.emitted_tokens, a.num_decode_steps) == \
             (b.num_verify_forwards, b.emitted_tokens, b.num_decode_steps)
-    assert graphed._steps[(3, K, temperature, 1.0)].graph is not None  # the steps were replayed
+    assert graphed._steps[StepShape(3, 3, K, temperature, 1.0, stage=False)].graph is not None  # replayed
 
 
 def test_bad_inputs():
@@ -245,6 +475,8 @@ def test_bad_inputs():
         (dict(prompts=torch.ones(3, 5, dtype=torch.long)), "max_batch_size"),
         (dict(prompts=torch.ones(2, MAX_LEN, dtype=torch.long)), "max_seq_len"),
         (dict(prompts=prompts.int()), "int64"),
+        (dict(prompts=[torch.ones(3, dtype=torch.long), torch.ones(0, dtype=torch.long)]), "non-empty"),
+        (dict(prompts=[torch.ones(3, dtype=torch.long), torch.ones(MAX_LEN, dtype=torch.long)]), "max_seq_len"),
         (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
         (dict(num_speculative_tokens=99), "num_speculative_tokens"),
         (dict(temperature=-1.0), "temperature"),

@@ -3,27 +3,44 @@
 gpt-fast style, plain PyTorch. The engine holds inference copies of the policy (a torchtitan
 llama3 / qwen3 model) and of the draft, refreshed from the trained modules by `load_weights`.
 
-Bookkeeping, per row b of the batch (all rows start from prompts of one length P):
+Bookkeeping, per row b of the batch (prompt length p_b; cache slot = RoPE position = token column):
 - `lengths[b]` tokens are known; the last one, at position n = lengths[b] - 1, is not yet in the
   policy's cache. A decode step verifies [x_n, t_1..t_K] at positions n..n+K in one forward and
-  emits 1..K+1 tokens. Rolling back rejected drafts is only a matter of `lengths`: cache slots past
-  a row's length are masked out and overwritten by the next step.
+  emits 1..K+1 tokens. Rolling back rejected drafts is only a matter of `lengths`: a query at
+  position q attends slots <= q, so slots past a row's length are never attended before the next
+  step overwrites them. Prompts of different lengths use the same rule: they are right-padded to
+  the longest, prefill runs all columns, row b samples its first token from column p_b - 1, and
+  its padding slots lie past its length. Rows stop at their own eos or at p_b + max_new_tokens.
 - The draft's cache holds its pass-1 ("trunk") keys of anchors i whose next token x_{i+1} is known:
   input concat(e(x_{i+1}), fc(taps_i)), RoPE position i (titan_draft/models/draft.py conventions).
   Proposing after position n uses anchor a = n - 1: pass 1 is the trunk entry of a itself; pass k
   feeds e(t_{k-1}) and pass k-1's hidden at RoPE position a + k - 1 and attends the trunk (anchors
   <= a) plus the branch keys of passes 2..k, which live in K extra slots after the trunk slots.
+  Trunk slots past anchor lengths[b] - 2 (padding, rejected drafts) are garbage under the same rule.
 - Prefill runs the whole prompt and samples the first response token; it is not a verify step.
+
+Finished rows stop costing compute: row state lives in slots. When the running rows fit a smaller
+bucket (power of two), they are gathered to the front of every slot buffer (caches, tokens,
+lengths, ...), the finished rows' outputs having been saved first, and later steps run on the
+bucket; `_row_of_slot` maps slots to rows. Random numbers are drawn at the call's full batch shape
+and indexed by that map (`RowNoise`), so a row samples the same tokens with or without compaction.
+
+Adaptive K (`generate(adaptive=True)`): before each step `GoodputController` picks the number of
+drafts 0..K with the most expected tokens per second at the current bucket, from online acceptance
+rates per draft position and measured step times per (bucket, K). A K = 0 step runs no draft: it
+stages its taps, and the draft's trunk takes the staged anchors in one pass-1 call before the next
+drafting step (or when max_k + 1 are staged). Any K, at any step, is lossless.
 
 Speed: one decode step (draft K tokens, verify, accept, roll back, extend the draft's trunk) is a
 single function of static-shape tensors that live in engine buffers, with no host
-synchronisation inside. On CUDA it is captured once per (batch size, K, temperature, top-p) into
-a CUDA graph and replayed (`CapturedCall`); elsewhere it runs eagerly. Both run the same code.
-The loop reads one flag per step ("all rows finished").
+synchronisation inside. On CUDA it is captured once per `StepShape` (bucket, K, temperature,
+top-p, ...) into a CUDA graph and replayed (`CapturedCall`); elsewhere it runs eagerly. Both run
+the same code. The loop reads one small status vector per step (running rows and counters).
 """
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +48,8 @@ from torch import nn
 
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.models.draft import DraftArgs, EagleDraft
-from titan_draft.rollout.sampling import check_sampling_args, probs_from_logits, sample, speculative_accept
+from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, probs_from_logits, sample,
+                                         speculative_accept)
 
 # Wrapper prefixes that checkpointing and torch.compile add to parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -40,7 +58,10 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped
 @dataclass
 class RolloutResult:
     tokens: torch.Tensor
-    """[B, P + max_new_tokens] int64: prompt, response, then eos_id after a row has finished."""
+    """[B, max(prompt_lengths) + max_new_tokens] int64: row b holds its prompt in columns
+    0..p_b-1, its response right after, then eos_id."""
+    prompt_lengths: torch.Tensor
+    """[B] int64: p_b."""
     response_lengths: torch.Tensor
     """[B] int64: generated tokens per row (an emitted eos included)."""
     num_verify_forwards: int
@@ -49,14 +70,118 @@ class RolloutResult:
     """Tokens emitted by verify steps (the first token, sampled at prefill, is not counted)."""
     acceptance_length: float
     """emitted_tokens / num_verify_forwards (1.0 without speculation)."""
+    num_drafts: int
+    """Row verify steps that proposed at least one draft token."""
+    num_draft_tokens: int
+    """Draft tokens proposed, summed over row verify steps."""
+    num_accepted_tokens: int
+    """Draft tokens accepted, summed over row verify steps."""
+    accepted_per_position: torch.Tensor
+    """[K] int64: row verify steps that accepted draft k (and so every draft before it)."""
+    drafted_per_position: torch.Tensor
+    """[K] int64: row verify steps that proposed draft k."""
     per_position_acceptance: torch.Tensor
-    """[K] float: fraction of row verify steps that accepted at least k + 1 drafts."""
+    """[K] float: accepted_per_position / drafted_per_position (0 where nothing was drafted)."""
+    steps_per_k: torch.Tensor
+    """[K + 1] int64: decode steps that ran with k drafts (K = the call's maximum)."""
     num_decode_steps: int
     """Batched decode forwards (one per loop iteration)."""
     timing: dict = field(default_factory=dict)
     """Seconds in prefill_s (prompt forward, first token, draft trunk) and decode_s (the steps)."""
     tokens_per_s: float = 0.0
     """Generated tokens (all rows) per second of wall time of generate()."""
+
+
+class GoodputController:
+    """The draft length K (0..max_k) of the next decode step: the one with the most expected
+    emitted tokens per second for the current active-row bucket.
+
+    Expected tokens per row-step with K drafts: 1 + sum_{k<K} a_k, where a_k is the measured
+    fraction of row-steps that drafted more than k tokens and accepted more than k; the counts are
+    exponentially decayed once per call (`new_call`) and start from a prior of `prior_steps`
+    row-steps that accepted everything, so that positions left unused long enough get tried again.
+    a_k is made non-increasing in k, as the true rates are. Seconds per step: per (bucket, K) a
+    running mean of measured step times; in a bucket every K gets a measurement (largest K first)
+    before any K is judged.
+    """
+
+    def __init__(self, max_k: int, *, decay: float = 0.5, prior_steps: float = 1.0, cost_weight: float = 0.25):
+        self.max_k, self.decay, self.prior_steps, self.cost_weight = max_k, decay, prior_steps, cost_weight
+        self.accepted = [0.0] * max_k
+        self.drafted = [0.0] * max_k
+        self.cost: dict[tuple[int, int], float] = {}
+        """(bucket, K) -> seconds per step."""
+
+    def new_call(self) -> None:
+        self.accepted = [self.decay * a for a in self.accepted]
+        self.drafted = [self.decay * d for d in self.drafted]
+
+    def observe_acceptance(self, accepted, drafted) -> None:
+        """Per-position counts of one or more steps (as RolloutResult's *_per_position)."""
+        for k, (a, d) in enumerate(zip(accepted, drafted)):
+            self.accepted[k] += a
+            self.drafted[k] += d
+
+    def observe_cost(self, bucket: int, K: int, seconds: float) -> None:
+        old = self.cost.get((bucket, K))
+        self.cost[bucket, K] = seconds if old is None else old + self.cost_weight * (seconds - old)
+
+    def acceptance_rates(self) -> list[float]:
+        """a_k for k = 0..max_k-1."""
+        rates, bound = [], 1.0
+        for a, d in zip(self.accepted, self.drafted):
+            bound = min(bound, (a + self.prior_steps) / (d + self.prior_steps))
+            rates.append(bound)
+        return rates
+
+    def expected_tokens(self, K: int) -> float:
+        """Expected emitted tokens per row-step with K drafts."""
+        return 1.0 + sum(self.acceptance_rates()[:K])
+
+    def choose(self, bucket: int, max_k: int) -> int:
+        """K in 0..max_k for a step of `bucket` rows."""
+        for K in range(max_k, -1, -1):
+            if (bucket, K) not in self.cost:
+                return K
+        return max(range(max_k + 1), key=lambda K: self.expected_tokens(K) / self.cost[bucket, K])
+
+
+class StepTimer:
+    """Seconds one decode step took, read after the loop's host sync: CUDA events on CUDA (they add
+    no sync of their own), the host clock elsewhere (where steps run synchronously)."""
+
+    def __init__(self, device: torch.device):
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self.clock = [0.0, 0.0]
+
+    def mark(self, end: int) -> None:
+        """end = 0 before the step, 1 after it."""
+        if self.events is not None:
+            self.events[end].record()
+        else:
+            self.clock[end] = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.events is not None:
+            return self.events[0].elapsed_time(self.events[1]) / 1000
+        return self.clock[1] - self.clock[0]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The static shape of a decode step (its CUDA graph key)."""
+    full: int
+    """Rows of the call: random numbers are drawn for all of them (RowNoise)."""
+    rows: int
+    """Slots the step runs: the active-row bucket."""
+    k: int
+    """Draft tokens."""
+    temperature: float
+    top_p: float
+    stage: bool
+    """A K = 0 step keeps its taps for the draft's trunk (adaptive K)."""
 
 
 def _policy_family(policy_args):
@@ -151,10 +276,11 @@ class CapturedCall:
 class RolloutEngine:
     def __init__(self, policy_args, draft_args: DraftArgs | None, tap_layers, max_batch_size: int,
                  max_seq_len: int, device, dtype=torch.bfloat16, *, max_speculative_tokens: int = 8,
-                 compile: bool = False, cuda_graphs: bool = True):
+                 compile: bool = False, cuda_graphs: bool = True, compact: bool = True):
         """Inference copies of the policy (and draft), and static caches for max_batch_size rows of
         up to max_seq_len tokens (prompt + response), with up to max_speculative_tokens drafts.
-        cuda_graphs: replay prefill and decode steps as CUDA graphs (on CUDA devices; ignored elsewhere)."""
+        cuda_graphs: replay prefill and decode steps as CUDA graphs (on CUDA devices; ignored elsewhere).
+        compact: move the running rows to the front of the state when they fit a smaller bucket."""
         model_cls, self._rope, rope_name = _policy_family(policy_args)
         self.tap_layers = sorted(tap_layers)
         if draft_args is not None and len(self.tap_layers) != draft_args.n_taps:
@@ -163,6 +289,7 @@ class RolloutEngine:
         self.device, self.dtype = torch.device(device), dtype
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_k = max_speculative_tokens
+        self.compact = compact
         # Verify windows of finished rows and the last step may run K + 1 slots past max_seq_len.
         self.slots = max_seq_len + self.max_k + 1
 
@@ -190,22 +317,32 @@ class RolloutEngine:
                                               for k in range(self.max_k + 1)])
 
         # Decode-step state, static so that captured steps always find it at the same addresses.
+        # Row state lives in slots; _row_of_slot maps a slot to its row of the call (compaction).
         # Token columns: a verify window may start at max_seq_len - 1 and write K + 1 tokens.
         self._tokens = torch.zeros(max_batch_size, max_seq_len + self.max_k + 1, dtype=torch.long, device=self.device)
         self._lengths = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
         self._limit = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # prompt + max_new_tokens
         self._done = torch.zeros(max_batch_size, dtype=torch.bool, device=self.device)
+        self._row_of_slot = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
         self._eos = torch.zeros((), dtype=torch.long, device=self.device)
-        self._verify_rows = torch.zeros((), dtype=torch.long, device=self.device)
-        self._emitted = torch.zeros((), dtype=torch.long, device=self.device)
-        self._accepted_at_least = torch.zeros(self.max_k, dtype=torch.long, device=self.device)
+        # What the loop reads once per step: running rows, verify rows, emitted tokens, then per
+        # draft position the row-steps that accepted it and that proposed it.
+        self._status = torch.zeros(3 + 2 * self.max_k, dtype=torch.long, device=self.device)
+        self._running, self._verify_rows, self._emitted = self._status[0], self._status[1], self._status[2]
+        self._accepted = self._status[3:3 + self.max_k]
+        self._drafted = self._status[3 + self.max_k:]
         if self.draft is not None:
             self._hidden = torch.zeros(max_batch_size, draft_args.dim, dtype=dtype, device=self.device)
+            # Taps of up to max_k + 1 K = 0 steps, put into the draft's trunk before the next draft.
+            self._staged_taps = torch.zeros(max_batch_size, self.max_k + 1, draft_args.n_taps * draft_args.dim,
+                                            dtype=dtype, device=self.device)
+            self._num_staged = torch.zeros((), dtype=torch.long, device=self.device)
         # Every random draw of generate() comes from this generator, seeded from the caller's.
         self._rng = torch.Generator(self.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self._steps: dict[tuple, object] = {}
+        self._steps: dict[object, object] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self.controller = GoodputController(self.max_k)
 
         self._policy_step, self._draft_extend, self._draft_pass = (
             self.policy_forward, self.draft_extend, self.draft_pass)
@@ -213,6 +350,14 @@ class RolloutEngine:
             self._policy_step = torch.compile(self.policy_forward, dynamic=False)
             self._draft_extend = torch.compile(self.draft_extend, dynamic=False)
             self._draft_pass = torch.compile(self.draft_pass, dynamic=False)
+
+    def _slot_buffers(self) -> list[torch.Tensor]:
+        """Every state buffer indexed by slot (dim 0), for compaction."""
+        buffers = [*self.k_cache, *self.v_cache, self._tokens, self._lengths, self._limit, self._done,
+                   self._row_of_slot]
+        if self.draft is not None:
+            buffers += [self.draft_k, self.draft_v, self._hidden, self._staged_taps]
+        return buffers
 
     # --- weights -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -308,16 +453,16 @@ class RolloutEngine:
         """Draft-cache slots <= anchor [B] (trunk slots of earlier anchors; branch slots lie beyond)."""
         return torch.arange(self.draft_k.shape[1], device=anchor.device) <= anchor[:, None]
 
-    def _propose(self, hidden, anchor, K, temperature, top_p, generator):
+    def _propose(self, hidden, anchor, K, temperature, top_p, noise):
         """K chained draft tokens [B, K] and their distributions [B, K, V] (target vocabulary, 0
-        outside the draft's) from pass 1's hidden."""
+        outside the draft's) from pass 1's hidden; random numbers from noise (a RowNoise)."""
         trunk = self._trunk_mask(anchor)
         tokens, probs = [], []
         for k in range(1, K + 1):
             if k > 1:
                 hidden = self._draft_pass(k, self.policy.tok_embeddings(tokens[-1]), hidden, anchor, trunk)
             probs.append(probs_from_logits(self.draft.logits(hidden), temperature, top_p))
-            tokens.append(self._target_ids[sample(probs[-1], generator)])
+            tokens.append(self._target_ids[sample(probs[-1], noise)])
         draft_probs = torch.stack(probs, 1)
         target_probs = draft_probs.new_zeros(*draft_probs.shape[:2], self.policy.output.out_features)
         target_probs[..., self._target_ids] = draft_probs
@@ -334,15 +479,27 @@ class RolloutEngine:
             torch.cuda.synchronize(self.device)
         timing[key] += time.perf_counter() - start
 
-    def _check(self, prompts, max_new_tokens, K, temperature, top_p):
-        if prompts.dim() != 2 or prompts.dtype != torch.int64:
-            raise ValueError(f"prompts must be an int64 [B, P] tensor, got {prompts.dtype} {tuple(prompts.shape)}")
-        B, P = prompts.shape
+    def _prompt_batch(self, prompts, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompts right-padded with eos_id [B, max p_b] on the engine's device, p_b [B] on the host)."""
+        if isinstance(prompts, torch.Tensor):
+            if prompts.dim() != 2 or prompts.dtype != torch.int64:
+                raise ValueError(f"prompts must be an int64 [B, P] tensor or a list of 1-D int64 tensors, "
+                                 f"got {prompts.dtype} {tuple(prompts.shape)}")
+            return prompts.to(self.device), torch.full((len(prompts),), prompts.shape[1], dtype=torch.long)
+        bad = [i for i, p in enumerate(prompts) if p.dim() != 1 or p.dtype != torch.int64 or len(p) == 0]
+        if bad or not prompts:
+            raise ValueError(f"prompts: a list must hold non-empty 1-D int64 tensors (row {bad[:1] or 'none'} "
+                             "is not); pass token ids")
+        padded = torch.nn.utils.rnn.pad_sequence(list(prompts), batch_first=True, padding_value=eos_id)
+        return padded.to(self.device), torch.tensor([len(p) for p in prompts], dtype=torch.long)
+
+    def _check(self, prompt_lengths, max_new_tokens, K, temperature, top_p):
+        B, P = len(prompt_lengths), int(prompt_lengths.max())
         if not 1 <= B <= self.max_batch_size:
             raise ValueError(f"prompts: batch of {B} rows, but the engine holds 1..{self.max_batch_size} "
                              "(max_batch_size); split the batch or build a larger engine")
         if P < 1 or max_new_tokens < 1 or P + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompts: P = {P} + max_new_tokens = {max_new_tokens} must be within "
+            raise ValueError(f"prompts: longest P = {P} + max_new_tokens = {max_new_tokens} must be within "
                              f"1..max_seq_len = {self.max_seq_len}; shorten them or build a larger engine")
         if K < 0 or K > self.max_k:
             raise ValueError(f"num_speculative_tokens: {K} must be in 0..{self.max_k} "
@@ -358,53 +515,69 @@ class RolloutEngine:
         """fn (no arguments, no outputs) as a CapturedCall on CUDA with cuda_graphs, else fn itself."""
         return CapturedCall(fn, self._rng, self._graph_pool) if self.cuda_graphs else fn
 
-    def _run(self, key: tuple, fn) -> None:
-        """fn(), replayed from its CUDA graph when the engine captures (one graph per key)."""
-        if key not in self._steps:
+    def _run(self, key, fn) -> bool:
+        """fn(), replayed from its CUDA graph when the engine captures (one graph per key); True
+        when this was the key's first call (eager warm-up and capture: not a representative time)."""
+        first = key not in self._steps
+        if first:
             self._steps[key] = self.captured(fn)
         self._steps[key]()
+        return first
 
-    def _prefill(self, B: int, P: int, K: int, temperature: float, top_p: float) -> None:
-        """The prompts (already in the token buffer) through the policy, the first response token,
-        the row state, and the draft's trunk over the prompt; in place, no host sync."""
+    def _in_vocab(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens with ids outside the vocabulary (the -1 of unused window slots, an eos_id no model
+        emits in padding) clamped into it: only garbage slots, overwritten before use, see them."""
+        return tokens.clamp(0, self.policy.tok_embeddings.num_embeddings - 1)
+
+    def _prefill(self, B: int, P: int, draft: bool, temperature: float, top_p: float) -> None:
+        """The prompts (in the token buffer, lengths = their lengths) through the policy, the first
+        response token, the row state, and the draft's trunk over the prompts; in place, no host sync.
+        Columns past a row's prompt are padding: their cache slots lie past the row's length, so
+        no query attends them before a verify step overwrites them (as after a rollback)."""
         tokens, lengths, done = self._tokens[:B], self._lengths[:B], self._done[:B]
-        logits, taps, _ = self._policy_step(tokens[:, :P], torch.arange(P, device=tokens.device).expand(B, P))
-        tokens[:, P] = sample(probs_from_logits(logits[:, -1], temperature, top_p), self._rng)
-        lengths.fill_(P + 1)
-        done.copy_((tokens[:, P] == self._eos) | (lengths >= self._limit[:B]))
-        for counter in (self._verify_rows, self._emitted, self._accepted_at_least):
-            counter.zero_()
-        if K:
-            next_emb = self.policy.tok_embeddings(tokens[:, 1:P + 1])
-            self._hidden[:B] = self._draft_extend(next_emb, taps, torch.zeros_like(lengths),
-                                                  torch.full_like(lengths, P))
+        rows = torch.arange(B, device=tokens.device)
+        prompts = self._in_vocab(tokens[:, :P])
+        logits, taps, _ = self._policy_step(prompts, torch.arange(P, device=tokens.device).expand(B, P))
+        first = sample(probs_from_logits(logits[rows, lengths - 1], temperature, top_p), self._rng)
+        tokens[rows, lengths] = first
+        lengths += 1
+        done.copy_((first == self._eos) | (lengths >= self._limit[:B]))
+        self._status.zero_()
+        self._running.copy_((~done).sum())
+        if draft:  # anchors 0..p_b - 1 (x_{p_b} is the first token); later ones are padding
+            next_emb = self.policy.tok_embeddings(self._in_vocab(tokens[:, 1:P + 1]))
+            self._hidden[:B] = self._draft_extend(next_emb, taps, torch.zeros_like(lengths), lengths - 1)
+            self._num_staged.zero_()
 
-    def _decode_step(self, B: int, K: int, temperature: float, top_p: float) -> None:
-        """One decode step of rows 0..B-1, in place on the engine's state buffers; no host sync.
+    def _decode_step(self, shape: StepShape) -> None:
+        """One decode step of slots 0..shape.rows-1, in place on the engine's state buffers; no host sync.
 
         Draft K tokens (K = 0: none), verify [x_n, t_1..t_K] at positions n..n+K, accept, emit up
         to the first eos and within the row's budget (finished rows emit nothing), then put the
-        trunk keys of the anchors whose next token became known into the draft's cache.
+        trunk keys of the anchors whose next token became known into the draft's cache (K = 0 with
+        stage: keep the taps for a later `_flush_staged` instead).
         """
-        tokens, lengths, done = self._tokens[:B], self._lengths[:B], self._done[:B]
+        B, K, temperature, top_p = shape.rows, shape.k, shape.temperature, shape.top_p
+        tokens, lengths, done, limit = self._tokens[:B], self._lengths[:B], self._done[:B], self._limit[:B]
+        noise = RowNoise(self._rng, shape.full, self._row_of_slot[:B] if B < shape.full else None)
         dev = tokens.device
         rows = torch.arange(B, device=dev)
         window = torch.arange(K + 1, device=dev)
         n = lengths - 1  # position of the last known token, the first one verified
         verify_in = tokens[rows, n][:, None]
         if K:
-            draft_tokens, draft_probs = self._propose(self._hidden[:B], n - 1, K, temperature, top_p, self._rng)
+            draft_tokens, draft_probs = self._propose(self._hidden[:B], n - 1, K, temperature, top_p, noise)
             verify_in = torch.cat([verify_in, draft_tokens], dim=1)
         logits, taps, _ = self._policy_step(verify_in, n[:, None] + window)
         target_probs = probs_from_logits(logits, temperature, top_p)
         if K:
-            num_accepted, out = speculative_accept(draft_tokens, draft_probs, target_probs, self._rng)
+            num_accepted, out = speculative_accept(draft_tokens, draft_probs, target_probs, noise)
         else:
-            num_accepted, out = torch.zeros_like(lengths), sample(target_probs, self._rng)
+            num_accepted, out = torch.zeros_like(lengths), sample(target_probs, noise)
         emit = num_accepted + 1
         is_eos = (out == self._eos) & (window < emit[:, None])
         emit = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, emit)
-        emit = torch.minimum(emit, self._limit[:B] - lengths).masked_fill(done, 0)
+        emit = torch.minimum(emit, limit - lengths).masked_fill(done, 0)
         # Write the emitted tokens; the other window slots get their old values back.
         columns = lengths[:, None] + window
         tokens.scatter_(1, columns, torch.where(window < emit[:, None], out, tokens.gather(1, columns)))
@@ -412,56 +585,131 @@ class RolloutEngine:
         self._verify_rows += running.sum()
         self._emitted += emit.sum()
         if K:
-            self._accepted_at_least[:K] += ((num_accepted[:, None] > window[:K]) & running[:, None]).sum(0)
-        done |= is_eos.any(1) | (lengths + emit >= self._limit[:B])
+            self._accepted[:K] += ((num_accepted[:, None] > window[:K]) & running[:, None]).sum(0)
+            self._drafted[:K] += running.sum()
+        done |= is_eos.any(1) | (lengths + emit >= limit)
         lengths += emit
+        self._running.copy_((~done).sum())
         if K:  # finished rows extend too (harmlessly, past their end): no data-dependent branch
-            next_emb = self.policy.tok_embeddings(out.clamp(min=0))
+            next_emb = self.policy.tok_embeddings(self._in_vocab(out))
             self._hidden[:B] = self._draft_extend(next_emb, taps, n, emit.clamp(min=1))
+        elif shape.stage:  # running rows emitted exactly one token: anchor n's taps
+            self._staged_taps[:B].index_copy_(1, self._num_staged[None], taps)
+            self._num_staged += 1
+
+    def _flush_staged(self, B: int) -> None:
+        """Pass 1 of the draft at the anchors of the K = 0 steps since its last use (their taps were
+        staged; each running row emitted one token per step), so that its trunk and hidden state
+        are current again; in place, no host sync. Windows are max_k + 1 wide, the staged part real."""
+        tokens, lengths = self._tokens[:B], self._lengths[:B]
+        start = (lengths - 1 - self._num_staged).clamp(min=0)  # first staged anchor of a running row
+        columns = start[:, None] + 1 + torch.arange(self._staged_taps.shape[1], device=tokens.device)
+        next_emb = self.policy.tok_embeddings(self._in_vocab(tokens.gather(1, columns)))
+        self._hidden[:B] = self._draft_extend(next_emb, self._staged_taps[:B], start, self._num_staged.expand(B))
+        self._num_staged.zero_()
+
+    def _bucket(self, running: int, B: int) -> int:
+        """Slots to run `running` rows in: the smallest power of two that holds them (at most B)."""
+        return min(B, 1 << (running - 1).bit_length()) if self.compact else B
+
+    def _compact(self, B: int, bucket: int) -> None:
+        """Move the running rows (in order, then finished ones to fill the bucket) to slots
+        0..bucket-1 of every state buffer: one gather per buffer, no host sync."""
+        keep = torch.argsort(self._done[:B].to(torch.uint8), stable=True)[:bucket]
+        for buffer in self._slot_buffers():
+            buffer[:bucket] = buffer[:B].index_select(0, keep)
 
     @torch.no_grad()
-    def generate(self, prompts: torch.Tensor, max_new_tokens: int, *, num_speculative_tokens: int,
-                 temperature: float = 1.0, top_p: float = 1.0, eos_id: int,
-                 generator: torch.Generator | None = None) -> RolloutResult:
-        """Sample up to max_new_tokens per row after prompts [B, P]; rows stop at eos_id.
+    def generate(self, prompts: torch.Tensor | list[torch.Tensor], max_new_tokens: int, *,
+                 num_speculative_tokens: int, adaptive: bool = False, temperature: float = 1.0,
+                 top_p: float = 1.0, eos_id: int, generator: torch.Generator | None = None) -> RolloutResult:
+        """Sample up to max_new_tokens per row after each prompt; rows stop at eos_id.
 
-        num_speculative_tokens K = 0 runs the same loop without a draft: the baseline.
+        prompts: [B, P] int64, or a list of B 1-D int64 tensors of any lengths p_b >= 1.
+        num_speculative_tokens K = 0 runs the same loop without a draft: the baseline. adaptive:
+        K is the maximum, and `controller` picks 0..K before every step (goodput).
         generator (any device, or None for torch's default) seeds the engine's own generator.
         """
         K = num_speculative_tokens
-        self._check(prompts, max_new_tokens, K, temperature, top_p)
+        padded, prompt_lengths = self._prompt_batch(prompts, eos_id)
+        self._check(prompt_lengths, max_new_tokens, K, temperature, top_p)
+        adaptive = adaptive and K > 0
         timing = dict(prefill_s=0.0, decode_s=0.0)
         wall = time.perf_counter()
-        B, P = prompts.shape
+        B, P = padded.shape
         total = P + max_new_tokens
-        dev = self.device
         seed_device = generator.device if generator is not None else "cpu"
         self._rng.manual_seed(int(torch.randint(2**62, (), generator=generator, device=seed_device)))
 
         with self._clock(timing, "prefill_s"):
-            tokens, lengths, done = self._tokens[:B], self._lengths[:B], self._done[:B]
-            tokens.fill_(eos_id)
-            tokens[:, :P] = prompts.to(dev)
-            self._limit[:B] = total
+            self._tokens[:B].fill_(eos_id)
+            self._tokens[:B, :P] = padded
+            self._lengths[:B] = prompt_lengths.to(self.device)
+            self._limit[:B] = self._lengths[:B] + max_new_tokens
+            self._row_of_slot[:B] = torch.arange(B, device=self.device)
             self._eos.fill_(eos_id)
-            self._run(("prefill", B, P, K, temperature, top_p), lambda: self._prefill(B, P, K, temperature, top_p))
+            self._run(("prefill", B, P, K > 0, temperature, top_p),
+                      partial(self._prefill, B, P, K > 0, temperature, top_p))
 
-        step_key, steps = (B, K, temperature, top_p), 0
         start = time.perf_counter()
-        while not bool(done.all()):  # the loop's one host sync per step
-            self._run(step_key, lambda: self._decode_step(B, K, temperature, top_p))
-            steps += 1
+        steps_per_k, out_tokens, out_lengths = self._decode(B, K, adaptive, temperature, top_p, total)
         timing["decode_s"] = time.perf_counter() - start
 
-        verify_rows = max(int(self._verify_rows), 1)
-        response_lengths = (lengths - P).cpu()
+        counts = self._status.cpu()
+        verify_rows, emitted = int(counts[1]), int(counts[2])
+        accepted, drafted = counts[3:3 + K], counts[3 + self.max_k:3 + self.max_k + K]
+        response_lengths = out_lengths.cpu() - prompt_lengths
         result = RolloutResult(
-            tokens=tokens[:, :total].to("cpu", copy=True),  # a copy: the buffer is reused by the next call
-            response_lengths=response_lengths,
-            num_verify_forwards=int(self._verify_rows), emitted_tokens=int(self._emitted),
-            acceptance_length=int(self._emitted) / verify_rows,
-            per_position_acceptance=(self._accepted_at_least[:K].double() / verify_rows).float().cpu(),
-            num_decode_steps=steps, timing=timing,
+            tokens=out_tokens.cpu(), prompt_lengths=prompt_lengths, response_lengths=response_lengths,
+            num_verify_forwards=verify_rows, emitted_tokens=emitted, acceptance_length=emitted / max(verify_rows, 1),
+            num_drafts=int(drafted[0]) if K else 0, num_draft_tokens=int(drafted.sum()),
+            num_accepted_tokens=int(accepted.sum()), accepted_per_position=accepted,
+            drafted_per_position=drafted,
+            per_position_acceptance=(accepted.double() / drafted.clamp(min=1).double()).float(),
+            steps_per_k=steps_per_k, num_decode_steps=int(steps_per_k.sum()), timing=timing,
         )
         result.tokens_per_s = float(response_lengths.sum()) / (time.perf_counter() - wall)
         return result
+
+    def _decode(self, B0: int, K: int, adaptive: bool, temperature: float, top_p: float, total: int):
+        """Decode steps until every row has finished: (steps per draft length [K + 1], tokens
+        [B0, total] and lengths [B0] of the rows, on the device)."""
+        out_tokens = torch.empty(B0, total, dtype=torch.long, device=self.device)
+        out_lengths = torch.empty(B0, dtype=torch.long, device=self.device)
+
+        def save(B):  # the rows of slots 0..B-1 into the result
+            rows = self._row_of_slot[:B]
+            out_tokens[rows] = self._tokens[:B, :total]
+            out_lengths[rows] = self._lengths[:B]
+
+        steps_per_k = torch.zeros(K + 1, dtype=torch.long)
+        timer = StepTimer(self.device)
+        if adaptive:
+            self.controller.new_call()
+        B, num_staged = B0, 0
+        status = self._status.tolist()
+        while status[0]:  # running rows, read once per step: the loop's one host sync
+            bucket = self._bucket(status[0], B)
+            if bucket < B:
+                save(B)  # finished rows keep their output; their slots get reused
+                self._compact(B, bucket)
+                B = bucket
+            k = self.controller.choose(B, K) if adaptive else K
+            if num_staged and (k or num_staged == self.max_k + 1):
+                self._run(("flush", B), partial(self._flush_staged, B))
+                num_staged = 0
+            shape = StepShape(B0, B, k, temperature, top_p, stage=adaptive and not k)
+            timer.mark(0)
+            first = self._run(shape, partial(self._decode_step, shape))
+            timer.mark(1)
+            num_staged += shape.stage
+            steps_per_k[k] += 1
+            previous, status = status, self._status.tolist()
+            if adaptive and not first:
+                self.controller.observe_cost(B, k, timer.seconds())
+            if adaptive and k:
+                mid = 3 + self.max_k
+                self.controller.observe_acceptance([a - b for a, b in zip(status[3:mid], previous[3:mid])],
+                                                   [a - b for a, b in zip(status[mid:], previous[mid:])])
+        save(B)
+        return steps_per_k, out_tokens, out_lengths

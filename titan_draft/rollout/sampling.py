@@ -7,6 +7,36 @@ one-hot and the rule reduces to exact greedy decoding.
 import torch
 
 
+class RowNoise:
+    """Random numbers for the rows of a batch that may be a subset of the rows a call started with.
+
+    With `rows` (slot -> original row, [B]) every draw is made at the shape of all `full` original
+    rows and the rows' part is taken: a row gets the same numbers whichever slot it sits in and
+    whichever other rows still run, so compacting a batch changes no sample. Without `rows` the
+    draws have the batch's own shape (the numbers a plain generator call gives).
+    """
+
+    def __init__(self, generator: torch.Generator | None, full: int = 0, rows: torch.Tensor | None = None):
+        self.generator, self.full, self.rows = generator, full, rows
+
+    def _shape(self, shape: tuple) -> tuple:
+        return shape if self.rows is None else (self.full, *shape[1:])
+
+    def _of_rows(self, draw: torch.Tensor) -> torch.Tensor:
+        return draw if self.rows is None else draw[self.rows]
+
+    def exponential(self, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        draw = torch.empty(self._shape(shape), dtype=dtype, device=device).exponential_(generator=self.generator)
+        return self._of_rows(draw)
+
+    def uniform(self, shape: tuple, device) -> torch.Tensor:
+        return self._of_rows(torch.rand(self._shape(shape), device=device, generator=self.generator))
+
+
+def _noise(rng: torch.Generator | RowNoise | None) -> RowNoise:
+    return rng if isinstance(rng, RowNoise) else RowNoise(rng)
+
+
 def check_sampling_args(temperature: float, top_p: float) -> None:
     if temperature < 0:
         raise ValueError(f"temperature: {temperature} must be >= 0 (0 = greedy)")
@@ -34,21 +64,22 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1
     return probs
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token id per row of probs [..., V] (unnormalised weights are fine).
+def sample(probs: torch.Tensor, rng: torch.Generator | RowNoise | None = None) -> torch.Tensor:
+    """One token id per row of probs [B, ..., V] (unnormalised weights are fine); random numbers
+    from rng (a generator, or the RowNoise of a compacted batch).
 
     Exponential race: argmax_v p_v / E_v with E_v ~ Exp(1) i.i.d. is v with probability
     p_v / sum(p) (E_v / p_v ~ Exp(p_v); the smallest wins). Unlike torch.multinomial it never
     synchronises with the host, so a CUDA graph can capture it.
     """
     dtype = torch.promote_types(probs.dtype, torch.float32)
-    race = torch.empty_like(probs, dtype=dtype).exponential_(generator=generator)
+    race = _noise(rng).exponential(tuple(probs.shape), dtype, probs.device)
     # exponential_ may round to 0: clamp so that 0 / 0 never yields a NaN that argmax would pick.
     return (probs.to(dtype) / race.clamp_min(torch.finfo(dtype).tiny)).argmax(-1)
 
 
 def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       rng: torch.Generator | RowNoise | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling of a chain of K draft tokens against the target, for a batch of rows.
 
     draft_tokens int64 [B, K]; draft_probs [B, K, V] (the draft's distribution at each proposal,
@@ -73,7 +104,7 @@ def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, ta
     tokens = draft_tokens.long()
     p = target_probs[:, :K].gather(-1, tokens[..., None])[..., 0].float()
     q = draft_probs.gather(-1, tokens[..., None])[..., 0].float()
-    u = torch.rand(B, K, device=p.device, generator=generator)
+    u = _noise(rng).uniform((B, K), p.device)
     accepted = u * q < p  # u < p / q without dividing; q > 0 for any token the draft sampled
     num_accepted = accepted.long().cumprod(-1).sum(-1)
 
@@ -86,7 +117,7 @@ def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, ta
     mass = residual.sum(-1, keepdim=True)
     # p == q everywhere makes a rejection impossible in exact arithmetic; keep rounding harmless.
     residual = torch.where(mass > 0, residual, p_stop)
-    last = sample(residual, generator)
+    last = sample(residual, rng)
 
     position = torch.arange(K + 1, device=tokens.device)
     out = torch.cat([tokens, tokens.new_full((B, 1), -1)], dim=1)
