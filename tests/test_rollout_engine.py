@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from titan_draft import _compat
-from titan_draft.cotrain import local_draft_inputs
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.packing import pack
@@ -137,7 +136,7 @@ def test_draft_inference_equals_training_time_test():
     seqs = torch.randint(0, VOCAB, (B, T), generator=gen).to(DEVICE)
     _, ref_taps, ref_emb, batch = reference_logits(policy, seqs)
     with torch.no_grad():
-        states = draft.ttt_forward(ref_emb, ref_taps, batch.positions, D, *local_draft_inputs(batch))
+        states = draft.ttt_forward(ref_emb, ref_taps, batch.positions, D, batch.shift(D), batch.draft_attention)
     states = [s.view(B, T, -1) for s in states]
 
     anchor = torch.tensor([9, 5, 11], device=DEVICE)  # anchors of different rows differ

@@ -48,6 +48,7 @@ from torch import nn
 
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.models.draft import DraftArgs, EagleDraft
+from titan_draft.models.families import family_of_args
 from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, probs_from_logits, sample,
                                          speculative_accept)
 
@@ -184,21 +185,6 @@ class StepShape:
     """A K = 0 step keeps its taps for the draft's trunk (adaptive K)."""
 
 
-def _policy_family(policy_args):
-    """(model class, apply_rotary_emb, name of the rope table buffer) of a torchtitan model."""
-    from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
-    from torchtitan.models.qwen3.model.model import apply_rotary_emb as qwen3_rope
-    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
-    from torchtitan.models.llama3.model.model import apply_rotary_emb as llama3_rope
-
-    if isinstance(policy_args, Qwen3ModelArgs):
-        return Qwen3Model, qwen3_rope, "rope_cache"
-    if isinstance(policy_args, TransformerModelArgs):
-        return Transformer, llama3_rope, "freqs_cis"
-    raise ValueError(f"policy_args: {type(policy_args).__name__} is not supported; pass torchtitan "
-                     "llama3 TransformerModelArgs or qwen3 Qwen3ModelArgs")
-
-
 def _copy_weights(src: nn.Module, dst: nn.Module, what: str) -> None:
     """dst <- src by parameter name; sharded (DTensor) tensors are gathered (a collective: call on
     every rank of the mesh)."""
@@ -281,7 +267,8 @@ class RolloutEngine:
         up to max_seq_len tokens (prompt + response), with up to max_speculative_tokens drafts.
         cuda_graphs: replay prefill and decode steps as CUDA graphs (on CUDA devices; ignored elsewhere).
         compact: move the running rows to the front of the state when they fit a smaller bucket."""
-        model_cls, self._rope, rope_name = _policy_family(policy_args)
+        family = family_of_args(policy_args)
+        model_cls, self._rope, rope_name = family.model_cls, family.apply_rotary_emb, family.rope_buffer
         self.tap_layers = sorted(tap_layers)
         if draft_args is not None and len(self.tap_layers) != draft_args.n_taps:
             raise ValueError(f"tap_layers: {len(self.tap_layers)} layers given but the draft reads "
