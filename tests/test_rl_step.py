@@ -118,7 +118,7 @@ def test_notebook_plots_the_runs(runs, tmp_path):
     root, records = runs
     out = tmp_path / "out"
     execute_notebook(root / "seed0", out)
-    for png in ("acceptance_vs_step.png", "rollout_speedup.png"):
+    for png in ("acceptance_vs_step.png", "rollout_speedup.png", "response_lengths.png"):
         with open(out / png, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
     with open(out / "acceptance_summary.json") as f:

@@ -103,10 +103,15 @@ def collect_rollouts(s: RLState) -> Rollouts:
     counts = torch.tensor([result.num_drafts, result.num_draft_tokens, result.num_accepted_tokens,
                            *result.accepted_per_position.tolist(), *result.drafted_per_position.tolist()],
                           dtype=torch.float64)
-    return Rollouts(prompts, result.tokens.cpu(), result.prompt_lengths.cpu(), result.response_lengths.cpu(), {
+    lengths = result.response_lengths.cpu()
+    return Rollouts(prompts, result.tokens.cpu(), result.prompt_lengths.cpu(), lengths, {
         "acceptance_length": result.acceptance_length,
         "rollout_tokens_per_s": result.tokens_per_s,
         "rollout_time_s": time.perf_counter() - t0,
+        # The response-length distribution (means over data-parallel ranks of each rank's numbers).
+        "response_len_mean": lengths.float().mean().item(),
+        "response_len_p90": lengths.float().quantile(0.9).item(),
+        "response_len_max": float(lengths.max()),
     }, counts)
 
 
