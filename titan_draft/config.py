@@ -103,9 +103,10 @@ class Rollout:
     top_p: float = 1.0
     max_new_tokens: int = 0
     """Response budget per rollout; 0 = the task's own (task.max_new_tokens)."""
-    adaptive: bool = False
+    adaptive: bool = True
     """Pick the number of draft tokens (0..num_speculative_tokens) before every decode step for the most
-    tokens per second (rollout/engine.py); false = always num_speculative_tokens."""
+    tokens per second, from measured step costs and acceptance (rollout/engine.py GoodputController);
+    false = always num_speculative_tokens. Measured costs make adaptive runs not bit-reproducible."""
     dump_samples: int = 0
     """Rollouts per RL step written to <dump_folder>/rollouts/step_<k>.jsonl for people to read."""
 
