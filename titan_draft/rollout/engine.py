@@ -52,6 +52,9 @@ from titan_draft.models.families import family_of_args
 from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, probs_from_logits, sample,
                                          speculative_accept)
 
+# A decode-step shape runs eagerly this many times before it is captured as a CUDA graph.
+CAPTURE_AFTER = 3
+
 # Wrapper prefixes that checkpointing and torch.compile add to parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -328,6 +331,7 @@ class RolloutEngine:
         self._rng = torch.Generator(self.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._steps: dict[object, object] = {}
+        self._uses: dict[object, int] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.controller = GoodputController(self.max_k)
 
@@ -503,13 +507,20 @@ class RolloutEngine:
         return CapturedCall(fn, self._rng, self._graph_pool) if self.cuda_graphs else fn
 
     def _run(self, key, fn) -> bool:
-        """fn(), replayed from its CUDA graph when the engine captures (one graph per key); True
-        when this was the key's first call (eager warm-up and capture: not a representative time)."""
-        first = key not in self._steps
-        if first:
+        """fn(), replayed from its CUDA graph once its key has been used CAPTURE_AFTER times (eagerly
+        before: the many (bucket, K) keys a long tail or adaptive K visits only a few times never
+        pay a capture); True when the call was not a replay (not a representative time)."""
+        uses = self._uses.get(key, 0) + 1
+        self._uses[key] = uses
+        if not self.cuda_graphs or uses < CAPTURE_AFTER:
+            fn()
+            return self.cuda_graphs
+        if key not in self._steps:
             self._steps[key] = self.captured(fn)
+            self._steps[key]()
+            return True
         self._steps[key]()
-        return first
+        return False
 
     def _in_vocab(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens with ids outside the vocabulary (the -1 of unused window slots, an eos_id no model
