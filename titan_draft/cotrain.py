@@ -76,16 +76,18 @@ class DraftOptimizer:
         """Apply the gradients already in .grad; returns False (and counts it) when skipped. `loss` must be
         the same on every rank holding a shard of the draft (summed over them), so all skip together."""
         finite = bool(torch.isfinite(loss))
-        if finite:
+        # Pipeline ranks without the last stage hold the draft but never run it: nothing to apply.
+        if finite and any(p.grad is not None for p in self.params):
             if self.restore_after:
                 self._before_last_update = self._snapshot()
             torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
             self.optimizer.step()
+        if finite:
             self.skips_in_a_row = 0
         else:
             self.skipped += 1
             self.skips_in_a_row += 1
-            if self.restore_after and self.skips_in_a_row >= self.restore_after and self._before_last_update:
+            if self.restore_after and self.skips_in_a_row >= self.restore_after:
                 self._restore()
         self.optimizer.zero_grad(set_to_none=True)
         return finite
@@ -95,11 +97,14 @@ class DraftOptimizer:
             return [p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict())
 
     def _restore(self) -> None:
-        params, optimizer_state = self._before_last_update
-        with torch.no_grad():
-            for p, saved in zip(self.params, params):
-                p.copy_(saved)
-        self.optimizer.load_state_dict(optimizer_state)
+        """Counted on every rank alike; ranks that never updated the draft (pipeline ranks without the
+        last stage) have nothing to put back."""
+        if self._before_last_update is not None:
+            params, optimizer_state = self._before_last_update
+            with torch.no_grad():
+                for p, saved in zip(self.params, params):
+                    p.copy_(saved)
+            self.optimizer.load_state_dict(optimizer_state)
         self.restores += 1
         self.skips_in_a_row = 0
         warnings.warn(f"draft: {self.restore_after} non-finite draft losses in a row; the draft and its optimizer "
