@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import MIXES, document_lengths, environment, median_time, write_json  # noqa: E402
 from titan_draft.ops import branch_attention  # noqa: E402
 from titan_draft.packing import cu_seqlens_from_lengths  # noqa: E402
-from titan_draft.parallel import ZigzagLayout, cp_branch_attention  # noqa: E402
+from titan_draft.parallel import CpGroup, ZigzagLayout, cp_branch_attention  # noqa: E402
 from titan_draft.parallel.cp_attention import MODES  # noqa: E402
 
 
@@ -189,8 +189,8 @@ def emulate_ring(args) -> list[dict]:
         mesh = init_device_mesh(device.type, (cp,))
         inputs = local_inputs(args, args.total // cp, device, dtype, generator)
         for mode in MODES:
-            seconds, peak = time_step(args, lambda *x: cp_branch_attention(*x, cu_seqlens=cu, cp_mesh=mesh,
-                                                                           mode=mode), inputs, device)
+            seconds, peak = time_step(args, lambda *x: cp_branch_attention(*x, cu_seqlens=cu,
+                                                                           cp=CpGroup(mesh, mode)), inputs, device)
             rows.append(dict(cp=cp, mode=mode, seconds=seconds, speedup=t1 / seconds,
                              efficiency=t1 / seconds / cp, peak_gib=peak and peak / 2 ** 30))
         layout = ZigzagLayout(cu, cp, rank)
@@ -238,7 +238,7 @@ def gloo_worker(args):
     inputs = local_inputs(args, args.total // cp, torch.device("cpu"), torch.float32,
                           torch.Generator().manual_seed(args.seed + rank))
     for mode in MODES:
-        seconds, _ = time_step(args, lambda *x: cp_branch_attention(*x, cu_seqlens=cu, cp_mesh=mesh, mode=mode),
+        seconds, _ = time_step(args, lambda *x: cp_branch_attention(*x, cu_seqlens=cu, cp=CpGroup(mesh, mode)),
                                inputs, torch.device("cpu"), group=mesh.get_group())
         if rank == 0:
             print("RESULT " + json.dumps(dict(cp=cp, mode=mode, documents=len(lengths), seconds=seconds)), flush=True)

@@ -56,7 +56,7 @@ from titan_draft.models.draft import EagleDraft, draft_args_for  # noqa: E402
 from titan_draft.models.policy import TapRecorder, forward_packed  # noqa: E402
 from titan_draft.ops import branch_attention  # noqa: E402
 from titan_draft.packing import cu_seqlens_from_lengths, pack  # noqa: E402
-from titan_draft.parallel import apply_context_parallel, cp_branch_attention  # noqa: E402
+from titan_draft.parallel import CpGroup, apply_context_parallel, cp_branch_attention  # noqa: E402
 from titan_draft.parallel.cp_attention import MODES  # noqa: E402
 from titan_draft.parallel.parallelize import (  # noqa: E402
     build_parallel_dims,
@@ -126,7 +126,7 @@ def measure_attention(args, mesh, device, dtype) -> list[dict]:
     if mesh is None:
         modes = {"single": lambda *x: branch_attention(*x, cu_seqlens=cu)}
     else:
-        modes = {mode: lambda *x, mode=mode: cp_branch_attention(*x, cu_seqlens=cu, cp_mesh=mesh, mode=mode)
+        modes = {mode: lambda *x, mode=mode: cp_branch_attention(*x, cu_seqlens=cu, cp=CpGroup(mesh, mode))
                  for mode in MODES}
     rows = []
     for mode, fn in modes.items():

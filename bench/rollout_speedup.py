@@ -26,7 +26,7 @@ from titan_draft.metrics import MetricsLogger
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import build_policy, model_args
 from titan_draft.parallel.parallelize import training_autocast
-from titan_draft.rollout import RolloutEngine
+from titan_draft.rollout import EngineOptions, RolloutEngine
 from titan_draft.tasks.sort import SortTask
 from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draft
 
@@ -98,8 +98,9 @@ def train_models(args, task, device):
     gen = torch.Generator().manual_seed(args.seed)
     metrics = MetricsLogger(tempfile.mkdtemp(prefix="rollout_bench_"), tensorboard=False)
     engine = RolloutEngine(policy_args, draft.args, layers, max(args.batch_sizes + [256]), seq_len, device,
-                           getattr(torch, args.dtype), max_speculative_tokens=args.k, compile=args.compile,
-                           cuda_graphs=not args.no_cuda_graphs)
+                           getattr(torch, args.dtype), options=EngineOptions(
+                               max_speculative_tokens=args.k, compile=args.compile,
+                               cuda_graphs=not args.no_cuda_graphs))
     amp = training_autocast(args.dtype, device)
     log = dict(sft_rounds=[], draft_rounds=[])
     t0 = time.perf_counter()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from titan_draft.ops import (
+    Varlen,
     attn_backward,
     attn_forward,
     available_backends,
@@ -229,7 +230,7 @@ def test_attn_forward_backward_match_dense(causal):
     cu_q, cu_k = packed_boundaries(lengths_q), packed_boundaries(lengths_k)
     q, k, v = block_inputs(sum(lengths_q), sum(lengths_k))
     scale = 0.3
-    args = (cu_q, cu_k, max(lengths_q), max(lengths_k), causal, scale)
+    args = (Varlen(cu_q, cu_k, max(lengths_q), max(lengths_k), causal), scale)
 
     out, lse = attn_forward(q, k, v, *args)
     out_ref, lse_ref = dense_block_attention(q, k, v, cu_q, cu_k, causal, scale)
@@ -269,15 +270,16 @@ def test_backward_with_merged_out_lse_is_exact_over_key_blocks():
     out_ref, lse_ref = dense_block_attention(q, union(k_a, k_b), union(v_a, v_b), cu_q,
                                              cu_union, False, scale)
 
-    out_a, lse_a = attn_forward(q, k_a, v_a, cu_q, cu_a, 6, 3, False, scale)
-    out_b, lse_b = attn_forward(q, k_b, v_b, cu_q, cu_b, 6, 5, False, scale)
+    varlen_a, varlen_b = Varlen(cu_q, cu_a, 6, 3, False), Varlen(cu_q, cu_b, 6, 5, False)
+    out_a, lse_a = attn_forward(q, k_a, v_a, varlen_a, scale)
+    out_b, lse_b = attn_forward(q, k_b, v_b, varlen_b, scale)
     out, lse = merge_attn(out_a, lse_a, out_b, lse_b)
     torch.testing.assert_close(out, out_ref)
     torch.testing.assert_close(lse, lse_ref)
 
     grad_out = torch.randn_like(out)
-    dq_a, dk_a, dv_a = attn_backward(grad_out, q, k_a, v_a, out, lse, cu_q, cu_a, 6, 3, False, scale)
-    dq_b, dk_b, dv_b = attn_backward(grad_out, q, k_b, v_b, out, lse, cu_q, cu_b, 6, 5, False, scale)
+    dq_a, dk_a, dv_a = attn_backward(grad_out, q, k_a, v_a, out, lse, varlen_a, scale)
+    dq_b, dk_b, dv_b = attn_backward(grad_out, q, k_b, v_b, out, lse, varlen_b, scale)
     want = grads(out_ref, (q, k_a, k_b, v_a, v_b), grad_out)
     torch.testing.assert_close(dq_a + dq_b, want[0])
     torch.testing.assert_close(dk_a, want[1])
@@ -310,16 +312,16 @@ def test_branch_forward_without_passes_sees_nothing():
 def test_backend_selection(monkeypatch):
     assert available_backends()[-1] == "math"
     q, k, v = block_inputs(4, 4)
-    cu = packed_boundaries([4])
+    varlen = Varlen.packed_causal(packed_boundaries([4]), 4)
     monkeypatch.setenv("TITAN_DRAFT_ATTN_BACKEND", "nonsense")
     with pytest.raises(ValueError, match="expected auto or one of"):
-        attn_forward(q, k, v, cu, cu, 4, 4, True, 1.0)
+        attn_forward(q, k, v, varlen, 1.0)
     if "torch_varlen" not in available_backends():
         monkeypatch.setenv("TITAN_DRAFT_ATTN_BACKEND", "torch_varlen")
         with pytest.raises(ValueError, match="can run here"):
-            attn_forward(q, k, v, cu, cu, 4, 4, True, 1.0)
+            attn_forward(q, k, v, varlen, 1.0)
     monkeypatch.setenv("TITAN_DRAFT_ATTN_BACKEND", "math")
-    out, _ = attn_forward(q, k, v, cu, cu, 4, 4, True, 1.0)
+    out, _ = attn_forward(q, k, v, varlen, 1.0)
     torch.testing.assert_close(out[0], v[0].repeat_interleave(2, 0))
 
 
@@ -348,7 +350,7 @@ def test_cuda_block_primitives_match_math(monkeypatch, backend, causal, head_dim
     k = torch.randn(sum(lengths_k), 2, head_dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     grad_out = torch.randn_like(q)
-    args = (cu_q, cu_k, max(lengths_q), max(lengths_k), causal, head_dim ** -0.5)
+    args = (Varlen(cu_q, cu_k, max(lengths_q), max(lengths_k), causal), head_dim ** -0.5)
 
     results = {}
     for name in (backend, "math"):

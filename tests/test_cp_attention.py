@@ -11,7 +11,7 @@ import torch
 from distributed import run_distributed
 from titan_draft.ops import branch_attention
 from titan_draft.packing import cu_seqlens_from_lengths
-from titan_draft.parallel import HaloShift, ZigzagLayout, cp_branch_attention, zigzag_shard, zigzag_unshard
+from titan_draft.parallel import CpGroup, HaloShift, ZigzagLayout, cp_branch_attention, zigzag_shard, zigzag_unshard
 from titan_draft.parallel.cp_attention import MODES, allgather_blocks, ring_blocks
 
 PASSES = [None, 0, 1, 2, 3, 4, 5, 6]
@@ -61,7 +61,7 @@ def _attention_errors(mesh, mode, passes, seed, dtype=torch.float64):
 
     dims = {"branch_k": 1, "branch_v": 1}
     mine = {name: local(x, dims.get(name, 0)).to(dtype).requires_grad_() for name, x in inputs.items()}
-    cp_out, cp_lse = cp_branch_attention(**mine, cu_seqlens=cu, cp_mesh=mesh, mode=mode)
+    cp_out, cp_lse = cp_branch_attention(**mine, cu_seqlens=cu, cp=CpGroup(mesh, mode))
     (cp_out * local(grad_out).to(dtype)).sum().backward()
 
     def error(value, expected):
@@ -166,11 +166,12 @@ def _pairs(blocks, layout, kv_rows_of):
     for block, kv_global in zip(blocks, kv_rows_of):
         q_global = rows if block.q_rows is None else rows[block.q_rows]
         k_global = kv_global if block.kv_rows is None else kv_global[block.kv_rows]
-        for cu_q, cu_k, q_doc, k_doc in zip(block.cu_q.tolist(), block.cu_k.tolist(),
-                                            block.cu_q[1:].tolist(), block.cu_k[1:].tolist()):
+        varlen = block.varlen
+        for cu_q, cu_k, q_doc, k_doc in zip(varlen.cu_q.tolist(), varlen.cu_k.tolist(),
+                                            varlen.cu_q[1:].tolist(), varlen.cu_k[1:].tolist()):
             for i, qi in enumerate(q_global[cu_q:q_doc].tolist()):
                 for j, kj in enumerate(k_global[cu_k:k_doc].tolist()):
-                    if not block.causal or j <= i:
+                    if not varlen.causal or j <= i:
                         pairs.append((qi, kj))
     return pairs
 
@@ -215,7 +216,7 @@ def test_bad_arguments_raise_one_clear_error(kwargs, message):
     q, k = torch.randn(4, 4, 8), torch.randn(4, 2, 8)
     call = {**dict(cu_seqlens=torch.tensor([0, 8], dtype=torch.int32), cp_mesh=_FakeMesh(), mode="ring"), **kwargs}
     with pytest.raises(ValueError, match=message):
-        cp_branch_attention(q, k, k, **call)
+        cp_branch_attention(q, k, k, cu_seqlens=call["cu_seqlens"], cp=CpGroup(call["cp_mesh"], call["mode"]))
 
 
 def test_context_parallel_rejects_unknown_mode():

@@ -8,7 +8,7 @@ from titan_draft import _compat
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.packing import pack
-from titan_draft.rollout import RolloutEngine, probs_from_logits
+from titan_draft.rollout import EngineOptions, RolloutEngine, probs_from_logits
 from titan_draft.rollout.engine import GoodputController, StepShape
 
 DEVICE = _compat.device()  # the engine runs where the policy does: the CUDA path on a GPU machine
@@ -32,9 +32,9 @@ def make(name="llama3", max_batch_size=4, draft_vocab=24, seed=0, **engine_kwarg
     return policy, draft, engine_for(policy, draft, max_batch_size, name=name, **engine_kwargs)
 
 
-def engine_for(policy, draft, max_batch_size, *, name="llama3", dtype=torch.float64, **kwargs):
+def engine_for(policy, draft, max_batch_size, *, name="llama3", dtype=torch.float64, **options):
     engine = RolloutEngine(model_args(name, "tiny_gqa", MAX_LEN), draft.args, TAPS, max_batch_size, MAX_LEN, DEVICE,
-                           dtype, **kwargs)
+                           dtype, options=EngineOptions(**options))
     engine.load_weights(policy, draft)
     return engine
 

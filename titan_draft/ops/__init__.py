@@ -1,5 +1,6 @@
 """Attention operators: the draft's branch attention and the block primitives it is built on."""
 from titan_draft.ops.attention_kernels import (
+    Varlen,
     add_branch,
     attn_backward,
     attn_forward,
@@ -11,6 +12,7 @@ from titan_draft.ops.attention_kernels import (
 from titan_draft.ops.branch_attention import branch_attention, branch_attention_reference
 
 __all__ = [
+    "Varlen",
     "add_branch",
     "attn_backward",
     "attn_forward",

@@ -1,9 +1,10 @@
 """Block-level attention primitives over packed documents, with backend dispatch.
 
 Conventions shared by every function here:
-- Packed layout: q [Tq, Hq, D], k/v [Tk, Hkv, D]; documents are given by int32 cumulative
-  boundaries cu_q / cu_k of the same length N+1. Query head h reads key/value head
-  h // (Hq // Hkv) (grouped-query attention, as in FlashAttention and SDPA).
+- Packed layout: q [Tq, Hq, D], k/v [Tk, Hkv, D]; documents are given by a `Varlen`: int32
+  cumulative boundaries cu_q / cu_k of the same length N+1, the longest query / key document,
+  and whether the mask is causal. Query head h reads key/value head h // (Hq // Hkv)
+  (grouped-query attention, as in FlashAttention and SDPA).
 - lse is the natural-log softmax normaliser, [Hq, Tq]. It is float32, or float64 when the
   inputs are float64 (so that float64 tests stay exact). Rows that see no key have out = 0 and
   lse = -inf.
@@ -29,6 +30,7 @@ import inspect
 import math
 import os
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -85,7 +87,26 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _check_blocks(q, k, v, cu_q, cu_k):
+class Varlen(NamedTuple):
+    """Which keys each query row of a packed block sees: document n is query rows
+    cu_q[n]..cu_q[n+1]-1 against key rows cu_k[n]..cu_k[n+1]-1 (int32 [N+1] each); max_q / max_k
+    bound the documents' lengths (the flash kernels size their grids by them). When causal,
+    cu_q must equal cu_k and query i of a document sees its keys 0..i."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    causal: bool
+
+    @classmethod
+    def packed_causal(cls, cu_seqlens: torch.Tensor, max_len: int) -> "Varlen":
+        """Causal attention within each packed document: queries and keys are the same rows."""
+        return cls(cu_seqlens, cu_seqlens, max_len, max_len, True)
+
+
+def _check_blocks(q, k, v, varlen: Varlen):
+    cu_q, cu_k = varlen.cu_q, varlen.cu_k
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"expected q [Tq, Hq, D], k = v [Tk, Hkv, D]; got {q.shape}, "
                          f"{k.shape}, {v.shape}")
@@ -107,40 +128,37 @@ def _no_key_result(q: torch.Tensor):
 # ---------------------------------------------------------------------------------------------
 
 
-def attn_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+def attn_forward(q, k, v, varlen: Varlen, scale: float):
     """Varlen attention of q against k/v, document by document. Returns (out, lse).
 
-    out [Tq, Hq, D] in q's dtype, lse [Hq, Tq]. When causal, cu_q must equal cu_k (queries and
-    keys of a document are the same rows; query i sees keys 0..i of its document).
+    out [Tq, Hq, D] in q's dtype, lse [Hq, Tq].
     """
-    _check_blocks(q, k, v, cu_q, cu_k)
+    _check_blocks(q, k, v, varlen)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return _no_key_result(q)
     backend = _select_backend(q)
     if backend == "math":
-        return _math_forward(q, k, v, cu_q, cu_k, causal, scale)
+        return _math_forward(q, k, v, varlen, scale)
     if backend == "torch_varlen":
-        return _torch_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
-    return _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+        return _torch_varlen_forward(q, k, v, varlen, scale)
+    return _flash_attn_forward(q, k, v, varlen, scale)
 
 
-def attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
-                  scale: float):
+def attn_backward(dout, q, k, v, out, lse, varlen: Varlen, scale: float):
     """Gradients (dq, dk, dv) of this block, computed with the GIVEN (final, merged) out and lse.
 
     The softmax-jacobian term uses rowsum(dout * out) of the given out. The flash backends read
     out in q's dtype (a merged float32 out is rounded to it first, as every FA2 backward does).
     """
-    _check_blocks(q, k, v, cu_q, cu_k)
+    _check_blocks(q, k, v, varlen)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     backend = _select_backend(q)
     if backend == "math":
-        return _math_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+        return _math_backward(dout, q, k, v, out, lse, varlen, scale)
     if backend == "torch_varlen":
-        return _torch_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
-                                      scale)
-    return _flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+        return _torch_varlen_backward(dout, q, k, v, out, lse, varlen, scale)
+    return _flash_attn_backward(dout, q, k, v, out, lse, varlen, scale)
 
 
 def outside_autocast(forward):
@@ -268,17 +286,17 @@ def branch_backward(dout, q, branch_k, branch_v, out, lse, scale: float):
 MATH_BATCH_ELEMENTS = 1 << 24
 
 
-def _document_batches(cu_q, cu_k, causal, heads):
+def _document_batches(varlen: Varlen, heads):
     """Documents that have both queries and keys, batched by (query length, key length): yields the
     index tensors (query rows [N, Lq], key rows [N, Lk]) of N such documents at a time."""
-    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    bounds_q, bounds_k = varlen.cu_q.tolist(), varlen.cu_k.tolist()
     firsts = {}
     for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
-        if causal and (q0, q1) != (k0, k1):
+        if varlen.causal and (q0, q1) != (k0, k1):
             raise ValueError("causal attention needs cu_q == cu_k")
         if q1 > q0 and k1 > k0:
             firsts.setdefault((q1 - q0, k1 - k0), []).append((q0, k0))
-    device = cu_q.device
+    device = varlen.cu_q.device
     for (len_q, len_k), starts in firsts.items():
         starts = torch.tensor(starts, device=device)
         rows_q = starts[:, :1] + torch.arange(len_q, device=device)
@@ -301,27 +319,28 @@ def _document_probs(q_docs, k_docs, lse_docs, causal, scale):
     return torch.exp(scores - finite_lse.unsqueeze(-1)), lse_docs
 
 
-def _math_forward(q, k, v, cu_q, cu_k, causal, scale):
+def _math_forward(q, k, v, varlen: Varlen, scale):
     dtype = _compute_dtype(q.dtype)
     out, lse = _no_key_result(q)
-    for rows_q, rows_k in _document_batches(cu_q, cu_k, causal, q.shape[1]):
-        probs, lse_docs = _document_probs(q[rows_q].to(dtype), k[rows_k].to(dtype), None, causal, scale)
+    for rows_q, rows_k in _document_batches(varlen, q.shape[1]):
+        probs, lse_docs = _document_probs(q[rows_q].to(dtype), k[rows_k].to(dtype), None, varlen.causal,
+                                          scale)
         out_docs = torch.einsum("nhgqk,nkhd->nqhgd", probs, v[rows_k].to(dtype))
         out[rows_q] = out_docs.flatten(2, 3).to(q.dtype)
         lse[:, rows_q] = lse_docs.flatten(1, 2).transpose(0, 1)  # [N, Hq, Lq] -> [Hq, N, Lq]
     return out, lse
 
 
-def _math_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
+def _math_backward(dout, q, k, v, out, lse, varlen: Varlen, scale):
     dtype = _compute_dtype(q.dtype)
     kv_heads = k.shape[1]
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
-    for rows_q, rows_k in _document_batches(cu_q, cu_k, causal, q.shape[1]):
+    for rows_q, rows_k in _document_batches(varlen, q.shape[1]):
         q_docs, k_docs, v_docs = q[rows_q].to(dtype), k[rows_k].to(dtype), v[rows_k].to(dtype)
         lse_docs = lse[:, rows_q].to(dtype).transpose(0, 1).unflatten(1, (kv_heads, -1))  # [N, Hkv, G, Lq]
-        probs, _ = _document_probs(q_docs, k_docs, lse_docs, causal, scale)
+        probs, _ = _document_probs(q_docs, k_docs, lse_docs, varlen.causal, scale)
         dout_docs = _grouped(dout[rows_q].to(dtype), kv_heads)
         row_delta = (dout_docs * _grouped(out[rows_q].to(dtype), kv_heads)).sum(-1)  # [N, Lq, Hkv, G]
         dprobs = torch.einsum("nqhgd,nkhd->nhgqk", dout_docs, v_docs)
@@ -376,19 +395,19 @@ def _with_kv_heads_fallback(kernel, q, k, v):
     return kernel(_expand_kv_heads(k, groups), _expand_kv_heads(v, groups)), groups
 
 
-def _torch_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _torch_varlen_forward(q, k, v, varlen: Varlen, scale):
     # The op varlen_attn calls (torch 2.11 and 2.13): positional schema (q, k, v, cu_q, cu_k,
     # max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale, ...) -> (out, lse, ...).
     def kernel(k_, v_):
         return torch.ops.aten._flash_attention_forward(
-            q.contiguous(), k_.contiguous(), v_.contiguous(), cu_q, cu_k, max_q, max_k, 0.0,
-            causal, False, scale=scale)
+            q.contiguous(), k_.contiguous(), v_.contiguous(), varlen.cu_q, varlen.cu_k, varlen.max_q,
+            varlen.max_k, 0.0, varlen.causal, False, scale=scale)
 
     (out, lse, *_), _ = _with_kv_heads_fallback(kernel, q, k, v)
     return out, _lse_from_flash(lse, q)
 
 
-def _torch_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+def _torch_varlen_backward(dout, q, k, v, out, lse, varlen: Varlen, scale):
     # Without dropout the kernel never reads the rng state; pass what varlen.py passes.
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, device=q.device)
@@ -396,8 +415,8 @@ def _torch_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, ca
     def kernel(k_, v_):
         return torch.ops.aten._flash_attention_backward(
             dout.to(q.dtype).contiguous(), q.contiguous(), k_.contiguous(), v_.contiguous(),
-            out.to(q.dtype).contiguous(), _lse_to_flash(lse), cu_q, cu_k, max_q, max_k, 0.0,
-            causal, rng_state, unused, scale=scale)
+            out.to(q.dtype).contiguous(), _lse_to_flash(lse), varlen.cu_q, varlen.cu_k, varlen.max_q,
+            varlen.max_k, 0.0, varlen.causal, rng_state, unused, scale=scale)
 
     (dq, dk, dv), groups = _with_kv_heads_fallback(kernel, q, k, v)
     if groups > 1:
@@ -420,26 +439,27 @@ def _flash_window(causal):
     return (-1, 0) if causal else (-1, -1)
 
 
-def _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _flash_attn_forward(q, k, v, varlen: Varlen, scale):
     interface = _flash_attn_module()
     result = _call_flash_attn(
-        interface._flash_attn_varlen_forward, _flash_window(causal),
-        q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0,
-        softmax_scale=scale, causal=causal, return_softmax=False)
+        interface._flash_attn_varlen_forward, _flash_window(varlen.causal),
+        q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), cu_seqlens_q=varlen.cu_q,
+        cu_seqlens_k=varlen.cu_k, max_seqlen_q=varlen.max_q, max_seqlen_k=varlen.max_k, dropout_p=0.0,
+        softmax_scale=scale, causal=varlen.causal, return_softmax=False)
     # flash-attn >= 2.6 returns (out, lse, S_dmask, rng_state); 2.5 returns
     # (out, q, k, v, out_padded, lse, S_dmask, rng_state): lse is third from the end in both.
     return result[0], _lse_from_flash(result[-3], q)
 
 
-def _flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+def _flash_attn_backward(dout, q, k, v, out, lse, varlen: Varlen, scale):
     interface = _flash_attn_module()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _call_flash_attn(
-        interface._flash_attn_varlen_backward, _flash_window(causal),
+        interface._flash_attn_varlen_backward, _flash_window(varlen.causal),
         dout=dout.to(q.dtype).contiguous(), q=q.contiguous(), k=k.contiguous(),
         v=v.contiguous(), out=out.to(q.dtype).contiguous(), softmax_lse=_lse_to_flash(lse),
-        dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-        max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
+        dq=dq, dk=dk, dv=dv, cu_seqlens_q=varlen.cu_q, cu_seqlens_k=varlen.cu_k,
+        max_seqlen_q=varlen.max_q, max_seqlen_k=varlen.max_k, dropout_p=0.0, softmax_scale=scale,
+        causal=varlen.causal,
         deterministic=False, rng_state=None)
     return dq, dk, dv

@@ -9,6 +9,7 @@ thing written densely, to check it against.
 import torch
 
 from titan_draft.ops.attention_kernels import (
+    Varlen,
     add_branch,
     attn_backward,
     attn_forward,
@@ -65,26 +66,25 @@ def _row_chunks(tokens):
 class _BranchAttention(torch.autograd.Function):
     @staticmethod
     @outside_autocast
-    def forward(ctx, q, k, v, branch_k, branch_v, cu_seqlens, max_len, scale):
-        out, lse = attn_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, True, scale)
+    def forward(ctx, q, k, v, branch_k, branch_v, varlen: Varlen, scale):
+        out, lse = attn_forward(q, k, v, varlen, scale)
         if branch_k is not None and branch_k.shape[0] > 0:
             for rows in _row_chunks(q.shape[0]):
                 out[rows], lse[:, rows] = add_branch(out[rows], lse[:, rows], q[rows],
                                                      branch_k[:, rows], branch_v[:, rows], scale)
-        ctx.save_for_backward(q, k, v, branch_k, branch_v, cu_seqlens, out, lse)
-        ctx.max_len, ctx.scale = max_len, scale
+        ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
+        ctx.varlen, ctx.scale = varlen, scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, branch_k, branch_v, cu_seqlens, out, lse = ctx.saved_tensors
-        max_len, scale = ctx.max_len, ctx.scale
+        q, k, v, branch_k, branch_v, out, lse = ctx.saved_tensors
+        varlen, scale = ctx.varlen, ctx.scale
         # Both parts see the final out/lse: that is what makes the split exact.
-        dq, dk, dv = attn_backward(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_len,
-                                   max_len, True, scale)
+        dq, dk, dv = attn_backward(dout, q, k, v, out, lse, varlen, scale)
         if branch_k is None:
-            return dq, dk, dv, None, None, None, None, None
+            return dq, dk, dv, None, None, None, None
         dbranch_k, dbranch_v = torch.zeros_like(branch_k), torch.zeros_like(branch_v)
         if branch_k.shape[0] > 0:
             for rows in _row_chunks(q.shape[0]):
@@ -92,7 +92,7 @@ class _BranchAttention(torch.autograd.Function):
                     dout[rows], q[rows], branch_k[:, rows], branch_v[:, rows], out[rows],
                     lse[:, rows], scale)
                 dq[rows] += dq_branch
-        return dq, dk, dv, dbranch_k, dbranch_v, None, None, None
+        return dq, dk, dv, dbranch_k, dbranch_v, None, None
 
 
 def branch_attention(q, k, v, branch_k=None, branch_v=None, cu_seqlens=None, scale=None):
@@ -110,7 +110,8 @@ def branch_attention(q, k, v, branch_k=None, branch_v=None, cu_seqlens=None, sca
     cu_seqlens, max_len, _ = _validate(q, k, v, branch_k, branch_v, cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return _BranchAttention.apply(q, k, v, branch_k, branch_v, cu_seqlens, max_len, scale)
+    varlen = Varlen.packed_causal(cu_seqlens, max_len)
+    return _BranchAttention.apply(q, k, v, branch_k, branch_v, varlen, scale)
 
 
 def branch_attention_reference(q, k, v, branch_k=None, branch_v=None, cu_seqlens=None,

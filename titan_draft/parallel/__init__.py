@@ -1,6 +1,6 @@
 """Parallelism beyond torchtitan's: branch-aware context parallelism for packed documents."""
 from titan_draft.parallel.context_parallel import ContextShard, apply_context_parallel, global_count, shard_batch_for_cp
-from titan_draft.parallel.cp_attention import cp_branch_attention
+from titan_draft.parallel.cp_attention import CpGroup, cp_branch_attention
 from titan_draft.parallel.halo import HaloShift
 from titan_draft.parallel.zigzag import (
     ZigzagLayout,

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from titan_draft.packing import PackedBatch
-from titan_draft.parallel.cp_attention import MODES, cp_branch_attention
+from titan_draft.parallel.cp_attention import MODES, CpGroup, cp_branch_attention
 from titan_draft.parallel.halo import HaloShift
 from titan_draft.parallel.zigzag import pad_documents, shard_batch
 
@@ -37,7 +37,7 @@ def apply_context_parallel(model, cp_mesh, mode: str = "ring") -> None:
     from titan_draft.models.policy import install_packed_attention  # the CP ops never need torchtitan
 
     _check_mode(mode)
-    install_packed_attention(model, partial(cp_branch_attention, cp_mesh=cp_mesh, mode=mode))
+    install_packed_attention(model, partial(cp_branch_attention, cp=CpGroup(cp_mesh, mode)))
 
 
 @dataclass
@@ -54,8 +54,8 @@ class ContextShard(PackedBatch):
         return self.global_cu_seqlens
 
     def draft_attention(self, q, k, v, branch_k=None, branch_v=None, scale=None):
-        return cp_branch_attention(q, k, v, branch_k, branch_v, self.global_cu_seqlens, self.cp_mesh, self.mode,
-                                   scale=scale)
+        return cp_branch_attention(q, k, v, branch_k, branch_v, cu_seqlens=self.global_cu_seqlens,
+                                   cp=CpGroup(self.cp_mesh, self.mode), scale=scale)
 
     def shift(self, max_shift: int) -> HaloShift:
         return HaloShift(self.global_cu_seqlens, self.cp_mesh, max_shift, doc_lengths=self.doc_lengths)

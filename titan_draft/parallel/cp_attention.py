@@ -19,12 +19,15 @@ titan_draft.ops.branch_attention is the single-process reference both equal.
 """
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from titan_draft.ops.attention_kernels import (
+    Varlen,
     add_branch,
     attn_backward,
     attn_forward,
@@ -39,16 +42,25 @@ MODES = ("ring", "allgather")
 
 
 @dataclass(frozen=True)
+class CpGroup:
+    """The context-parallel ranks (a 1-D DeviceMesh) and how attention brings keys across them:
+    mode "ring" or "allgather" (module docstring)."""
+
+    mesh: DeviceMesh
+    mode: str = "ring"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode: '{self.mode}' is not a CP attention mode; use one of {MODES}")
+
+
+@dataclass(frozen=True)
 class Block:
     """One varlen attention call: queries q[q_rows] vs keys k[kv_rows] (None = all rows)."""
 
     q_rows: torch.Tensor | None
     kv_rows: torch.Tensor | None
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-    causal: bool
+    varlen: Varlen
 
 
 def _rows(x, rows, dim=0):
@@ -57,7 +69,7 @@ def _rows(x, rows, dim=0):
 
 def _block_forward(q, k, v, block: Block, scale):
     return attn_forward(_rows(q, block.q_rows), _rows(k, block.kv_rows), _rows(v, block.kv_rows),
-                        block.cu_q, block.cu_k, block.max_q, block.max_k, block.causal, scale)
+                        block.varlen, scale)
 
 
 def _merge_rows(out, lse, block_out, block_lse, rows):
@@ -74,7 +86,7 @@ def _block_backward(dout, q, k, v, out, lse, block: Block, scale):
     rows = block.q_rows
     return attn_backward(_rows(dout, rows), _rows(q, rows), _rows(k, block.kv_rows),
                          _rows(v, block.kv_rows), _rows(out, rows), _rows(lse, rows, dim=1),
-                         block.cu_q, block.cu_k, block.max_q, block.max_k, block.causal, scale)
+                         block.varlen, scale)
 
 
 def _accumulate(acc, grad, rows):
@@ -88,8 +100,10 @@ def _has_branch(branch_k):
     return branch_k is not None and branch_k.shape[0] > 0
 
 
-def _finish_forward(ctx, q, k, v, branch_k, branch_v, out, lse, scale):
-    """Merge the branch as one more LSE step; save what backward needs; return (out, lse)."""
+def _finish_forward(ctx, inputs, out, lse, scale):
+    """Merge the branch as one more LSE step; save what backward needs; return (out, lse).
+    inputs: forward's (q, k, v, branch_k, branch_v)."""
+    q, k, v, branch_k, branch_v = inputs
     if _has_branch(branch_k):
         out, lse = add_branch(out, lse, q, branch_k, branch_v, scale)
     out = out.to(q.dtype)
@@ -118,12 +132,12 @@ def ring_blocks(layout: ZigzagLayout) -> list[Block]:
     """The block of each ring step on this rank; step s holds the shard of rank (r - s) mod W."""
     full, half = layout.local_cu_seqlens, layout.half_cu_seqlens
     longest, chunk = 2 * layout.max_chunk, layout.max_chunk
-    blocks = [Block(None, None, full, full, longest, longest, True)]
+    blocks = [Block(None, None, Varlen.packed_causal(full, longest))]
     for step in range(1, layout.cp_size):
         if step <= layout.cp_rank:  # the shard comes from an earlier rank: its front chunks are visible
-            blocks.append(Block(None, layout.front_rows, full, half, longest, chunk, False))
+            blocks.append(Block(None, layout.front_rows, Varlen(full, half, longest, chunk, False)))
         else:  # a later rank: only our back chunks see it, all of it
-            blocks.append(Block(layout.back_rows, None, half, full, chunk, longest, False))
+            blocks.append(Block(layout.back_rows, None, Varlen(half, full, chunk, longest, False)))
     return blocks
 
 
@@ -140,10 +154,18 @@ def _wait(requests):
         request.wait()
 
 
+class _Ring(NamedTuple):
+    """This rank on the ring: its zigzag rows and the process group the K/V shards hop over."""
+
+    layout: ZigzagLayout
+    group: dist.ProcessGroup
+
+
 class _RingBranchAttention(torch.autograd.Function):
     @staticmethod
     @outside_autocast
-    def forward(ctx, q, k, v, branch_k, branch_v, layout, group, scale):
+    def forward(ctx, q, k, v, branch_k, branch_v, ring: _Ring, scale):
+        layout, group = ring
         rank, size = layout.cp_rank, layout.cp_size
         blocks = ring_blocks(layout)
         kv = torch.stack([k, v])
@@ -156,13 +178,13 @@ class _RingBranchAttention(torch.autograd.Function):
             if step + 1 < size:
                 _wait(requests)
                 kv = next_kv
-        ctx.layout, ctx.group = layout, group
-        return _finish_forward(ctx, q, k, v, branch_k, branch_v, out, lse, scale)
+        ctx.ring = ring
+        return _finish_forward(ctx, (q, k, v, branch_k, branch_v), out, lse, scale)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, branch_k, branch_v, out, lse = ctx.saved_tensors
-        layout, group, scale = ctx.layout, ctx.group, ctx.scale
+        (layout, group), scale = ctx.ring, ctx.scale
         rank, size = layout.cp_rank, layout.cp_size
         acc_dtype = lse.dtype
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
@@ -188,8 +210,7 @@ class _RingBranchAttention(torch.autograd.Function):
             _wait(dkv_requests)
             dkv = dkv_in
         dbranch_k, dbranch_v = _branch_grads(dq, dout, q, branch_k, branch_v, out, lse, scale)
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dbranch_k, dbranch_v,
-                None, None, None)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dbranch_k, dbranch_v, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,13 +227,13 @@ def allgather_blocks(layout: ZigzagLayout) -> list[Block]:
     full, half = layout.local_cu_seqlens, layout.half_cu_seqlens
     longest, chunk = 2 * layout.max_chunk, layout.max_chunk
     own = torch.arange(rank * local_tokens, (rank + 1) * local_tokens, device=layout.device)
-    blocks = [Block(None, own, full, full, longest, longest, True)]
+    blocks = [Block(None, own, Varlen.packed_causal(full, longest))]
     if rank > 0:
         rows, cu, max_k = layout.chunk_range_rows(0, rank)
-        blocks.append(Block(None, gathered_row[rows], full, cu, longest, max_k, False))
+        blocks.append(Block(None, gathered_row[rows], Varlen(full, cu, longest, max_k, False)))
     if rank < size - 1:
         rows, cu, max_k = layout.chunk_range_rows(rank + 1, 2 * size - 1 - rank)
-        blocks.append(Block(layout.back_rows, gathered_row[rows], half, cu, chunk, max_k, False))
+        blocks.append(Block(layout.back_rows, gathered_row[rows], Varlen(half, cu, chunk, max_k, False)))
     return blocks
 
 
@@ -231,7 +252,7 @@ class _GatheredBranchAttention(torch.autograd.Function):
             block_out, block_lse = _block_forward(q, k_all, v_all, block, scale)
             out, lse = _merge_rows(out, lse, block_out, block_lse, block.q_rows)
         ctx.layout = layout
-        return _finish_forward(ctx, q, k_all, v_all, branch_k, branch_v, out, lse, scale)
+        return _finish_forward(ctx, (q, k_all, v_all, branch_k, branch_v), out, lse, scale)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
@@ -275,18 +296,15 @@ def zigzag_layout(cu_seqlens: torch.Tensor, cp_mesh) -> ZigzagLayout:
                           cp_mesh.get_local_rank())
 
 
-def cp_branch_attention(q, k, v, branch_k=None, branch_v=None, cu_seqlens=None, cp_mesh=None,
-                        mode="ring", scale=None):
+def cp_branch_attention(q, k, v, branch_k=None, branch_v=None, *, cu_seqlens, cp: CpGroup, scale=None):
     """branch_attention over zigzag-sharded rows: out [T_local, Hq, D], lse [Hq, T_local].
 
     q/k/v/branch_k/branch_v are this rank's zigzag rows (shapes as branch_attention with
     T = T_local); cu_seqlens are the GLOBAL padded boundaries (every document a multiple of
-    2 * cp size); cp_mesh a 1-D DeviceMesh; mode "ring" or "allgather". Gradients flow to q, k,
+    2 * cp size); cp the CP ranks and mode, e.g. CpGroup(cp_mesh, "ring"). Gradients flow to q, k,
     v, branch_k, branch_v as in branch_attention; lse is non-differentiable.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode: '{mode}' is not a CP attention mode; use one of {MODES}")
-    layout = zigzag_layout(cu_seqlens, cp_mesh)
+    layout = zigzag_layout(cu_seqlens, cp.mesh)
     local_tokens = int(cu_seqlens[-1]) // layout.cp_size
     if q.dim() < 1 or q.shape[0] != local_tokens:
         raise ValueError(f"q: {q.shape[0] if q.dim() else 0} rows, but the global cu_seqlens give "
@@ -295,8 +313,8 @@ def cp_branch_attention(q, k, v, branch_k=None, branch_v=None, cu_seqlens=None, 
     validate_branch_inputs(q, k, v, branch_k, branch_v, layout.local_cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if mode == "ring":
-        return _RingBranchAttention.apply(q, k, v, branch_k, branch_v, layout, cp_mesh.get_group(),
-                                          scale)
-    k_all, v_all = gather_rows(k, cp_mesh), gather_rows(v, cp_mesh)
+    if cp.mode == "ring":
+        ring = _Ring(layout, cp.mesh.get_group())
+        return _RingBranchAttention.apply(q, k, v, branch_k, branch_v, ring, scale)
+    k_all, v_all = gather_rows(k, cp.mesh), gather_rows(v, cp.mesh)
     return _GatheredBranchAttention.apply(q, k_all, v_all, branch_k, branch_v, layout, scale)

@@ -40,7 +40,7 @@ from titan_draft.cotrain import CoTrainSpec
 from titan_draft.models.draft import EagleDraft, ttt_loss
 from titan_draft.models.policy import TapRecorder
 from titan_draft.ops import branch_attention
-from titan_draft.parallel.cp_attention import cp_branch_attention
+from titan_draft.parallel.cp_attention import CpGroup, cp_branch_attention
 from titan_draft.packing import DocumentShift
 from titan_draft.parallel.halo import HaloShift
 from titan_draft.parallel.tap_channel import TapChannel
@@ -121,8 +121,8 @@ class RowLayout:
         """The draft's causal attention within the global documents + its branch: local rows in and out."""
         if self.cp_mesh is None:
             return branch_attention(q, k, v, branch_k, branch_v, cu_seqlens=self.cu_seqlens, scale=scale)
-        return cp_branch_attention(q, k, v, branch_k, branch_v, self.cu_seqlens, self.cp_mesh, self.cp_mode,
-                                   scale=scale)
+        return cp_branch_attention(q, k, v, branch_k, branch_v, cu_seqlens=self.cu_seqlens,
+                                   cp=CpGroup(self.cp_mesh, self.cp_mode), scale=scale)
 
 
 def target_counts(trained: torch.Tensor, ttt_steps: int, group: dist.ProcessGroup | None = None):

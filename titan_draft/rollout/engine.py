@@ -262,14 +262,27 @@ class CapturedCall:
         self.graph = graph
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """A RolloutEngine's draft capacity and speed switches (the defaults suit training rollouts).
+
+    max_speculative_tokens: the most drafts a step may propose (sizes caches and buffers).
+    compile: torch.compile the policy and draft forwards.
+    cuda_graphs: replay prefill and decode steps as CUDA graphs (on CUDA devices; ignored elsewhere).
+    compact: move the running rows to the front of the state when they fit a smaller bucket.
+    """
+
+    max_speculative_tokens: int = 8
+    compile: bool = False
+    cuda_graphs: bool = True
+    compact: bool = True
+
+
 class RolloutEngine:
     def __init__(self, policy_args, draft_args: DraftArgs | None, tap_layers, max_batch_size: int,
-                 max_seq_len: int, device, dtype=torch.bfloat16, *, max_speculative_tokens: int = 8,
-                 compile: bool = False, cuda_graphs: bool = True, compact: bool = True):
+                 max_seq_len: int, device, dtype=torch.bfloat16, *, options: EngineOptions = EngineOptions()):
         """Inference copies of the policy (and draft), and static caches for max_batch_size rows of
-        up to max_seq_len tokens (prompt + response), with up to max_speculative_tokens drafts.
-        cuda_graphs: replay prefill and decode steps as CUDA graphs (on CUDA devices; ignored elsewhere).
-        compact: move the running rows to the front of the state when they fit a smaller bucket."""
+        up to max_seq_len tokens (prompt + response), with up to options.max_speculative_tokens drafts."""
         family = family_of_args(policy_args)
         model_cls, self._rope, rope_name = family.model_cls, family.apply_rotary_emb, family.rope_buffer
         self.tap_layers = sorted(tap_layers)
@@ -278,8 +291,8 @@ class RolloutEngine:
                              f"{draft_args.n_taps} taps; pass the draft's tap layers")
         self.device, self.dtype = torch.device(device), dtype
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.max_k = max_speculative_tokens
-        self.compact = compact
+        self.max_k = options.max_speculative_tokens
+        self.compact = options.compact
         # Verify windows of finished rows and the last step may run K + 1 slots past max_seq_len.
         self.slots = max_seq_len + self.max_k + 1
 
@@ -329,7 +342,7 @@ class RolloutEngine:
             self._num_staged = torch.zeros((), dtype=torch.long, device=self.device)
         # Every random draw of generate() comes from this generator, seeded from the caller's.
         self._rng = torch.Generator(self.device)
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.cuda_graphs = options.cuda_graphs and self.device.type == "cuda"
         self._steps: dict[object, object] = {}
         self._uses: dict[object, int] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
@@ -337,7 +350,7 @@ class RolloutEngine:
 
         self._policy_step, self._draft_extend, self._draft_pass = (
             self.policy_forward, self.draft_extend, self.draft_pass)
-        if compile:
+        if options.compile:
             self._policy_step = torch.compile(self.policy_forward, dynamic=False)
             self._draft_extend = torch.compile(self.draft_extend, dynamic=False)
             self._draft_pass = torch.compile(self.draft_pass, dynamic=False)
