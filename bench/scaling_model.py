@@ -1,7 +1,7 @@
 """Analytic scaling model of context parallelism (CP) and the pipeline TapChannel (PP); docs/scaling_model.md.
 
-    .venv/bin/python bench/scaling_model.py                                  # predictions + 122B extrapolation
-    .venv/bin/python bench/scaling_model.py --load-balance outputs/bench_cp_balance.json \\
+    .venv/bin/python -m bench.scaling_model                                  # predictions + 122B extrapolation
+    .venv/bin/python -m bench.scaling_model --load-balance outputs/bench_cp_balance.json \\
         --emulated outputs/bench_cp_emulated.json --scaling outputs/cp_scaling_*.json \\
         --tapchannel outputs/bench_tapchannel_overhead*.json --out outputs/scaling_model.json
 
@@ -15,9 +15,6 @@ import glob
 import json
 import math
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # --------------------------------------------------------------------------------------------
 # Assumptions for predictions (stated in docs/scaling_model.md)
@@ -268,7 +265,7 @@ def tapchannel_overhead(mb_tokens, dim, layers, tap_layers, pp, microbatches, st
 def lengths_of(args: dict) -> list[int]:
     import torch
 
-    from _common import document_lengths
+    from bench._common import document_lengths
 
     return document_lengths(args["mix"], args["total"], torch.Generator().manual_seed(args["seed"]),
                             multiple=args.get("multiple", 1))
@@ -278,7 +275,7 @@ def compare_load_balance(path) -> list[dict]:
     """bench/cp_attention.py (a): zigzag max/mean (model: exactly 1) and padded/real pairs (model: formula)."""
     import torch
 
-    from _common import document_lengths
+    from bench._common import document_lengths
 
     with open(path) as f:
         data = json.load(f)
@@ -391,7 +388,7 @@ LAYOUTS = [  # (cp, tp, pp, dp): GPUs = product
 def predictions(total: int, mix: str, seed: int) -> dict:
     import torch
 
-    from _common import document_lengths
+    from bench._common import document_lengths
 
     out = {}
     draft = dict(heads=32, kv_heads=8, head_dim=128)
@@ -477,7 +474,7 @@ def main():
     if args.tapchannel:
         result["tapchannel"] = compare_tapchannel(expand(args.tapchannel))
     if args.out:
-        from _common import write_json
+        from bench._common import write_json
 
         write_json(args.out, result)
 

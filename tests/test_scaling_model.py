@@ -1,16 +1,11 @@
 """The scaling model's formulas against counted quantities (docs/scaling_model.md)."""
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import scaling_model as sm  # noqa: E402
-from cp_attention import zigzag_work  # noqa: E402
-
-from titan_draft.packing import cu_seqlens_from_lengths  # noqa: E402
-from titan_draft.parallel import ZigzagLayout  # noqa: E402
+from bench import scaling_model as sm
+from bench.cp_attention import zigzag_work
+from titan_draft.packing import cu_seqlens_from_lengths
+from titan_draft.parallel import ZigzagLayout
 
 LENGTHS = [7, 13, 1, 40, 5, 22]
 
