@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from titan_draft import _compat  # before torchtitan
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXES = ("lognormal", "pareto", "one_long")
 
 

@@ -18,19 +18,16 @@
 """
 import argparse
 import json
-import os
 import subprocess
 import sys
 
 import torch
 
-from bench._common import MIXES, document_lengths, environment, median_time, write_json
+from bench._common import MIXES, REPO_ROOT, document_lengths, environment, median_time, write_json
 from titan_draft.ops import branch_attention
 from titan_draft.packing import cu_seqlens_from_lengths
 from titan_draft.parallel import ZigzagLayout, cp_branch_attention
 from titan_draft.parallel.cp_attention import MODES
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args():

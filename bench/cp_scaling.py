@@ -16,11 +16,12 @@ N (the world size) is the CP degree; every rank holds 1/N of one packed sample o
      same sample.
 (ii) cotrain: one co-training step as train.py runs it, without the optimizer: apply_context_parallel
      (ring/allgather attention in the policy) and shard_batch_for_cp (zigzag rows, halo shifts and CP
-     branch attention in the draft), forward_packed with TapRecorder, policy cross-entropy, the draft's TTT loss (draft_loss),
-     backward of both. Parameters are FSDP2-sharded over CP (titan_draft.parallel.parallelize, as
-     torchtitan shards over dp_shard x cp) in --param-dtype with float32 gradient reduction;
-     N = 1 runs the same models unsharded under torchtitan's AMP (maybe_enable_amp) on the unpadded
-     batch. Documents have their natural lengths: zigzag padding is part of the CP cost.
+     branch attention in the draft), forward_packed with TapRecorder, policy cross-entropy, the
+     draft's TTT loss (draft_loss), backward of both. Parameters are FSDP2-sharded over CP
+     (titan_draft.parallel.parallelize, as torchtitan shards over dp_shard x cp) in --param-dtype
+     with float32 gradient reduction; N = 1 runs the same models unsharded under autocast
+     (parallelize.training_autocast: torchtitan's rule) on the unpadded batch. Documents have their
+     natural lengths: zigzag padding is part of the CP cost.
 Times are the median over --iters of the slowest rank's step (a barrier before each). Peak memory
 is torch.cuda.max_memory_allocated per rank (n/a on CPU). Efficiency = T(1) / (N * T(N)) with
 T(1) from --reference, the JSON of an N = 1 run with the same sizes (a separate run: a CP = 1

@@ -48,6 +48,6 @@ def test_pipeline_formulas():
     assert sm.tap_stages(8, [1, 3, 7], 2) == [2, 1]
     assert sm.tap_stages(8, [1, 3, 7], 2, virtual=2) == [1, 1, 0, 1]
     # stage 0 sends embeddings + its taps; the last stage's taps stay local
-    model = sm.tapchannel_overhead(256, 64, 8, [1, 3, 7], 2, 4, None)
+    model = sm.tapchannel_overhead(256, 64, 8, [1, 3, 7], schedule=(2, 4, 1), step_s=None)
     assert model["channel_bytes_per_mb"] == 256 * 64 * 3 * 2
     assert model["schedule_bytes_per_mb"] == 2 * 256 * 64 * 2

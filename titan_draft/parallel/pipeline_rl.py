@@ -42,7 +42,6 @@ from titan_draft.step import RolloutBatch, StepSums
 from titan_draft.timing import DeviceTimer
 from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.distributed.utils import clip_grad_norm_
 
 
 def pipeline_replicas(dims) -> list[list[int]]:
