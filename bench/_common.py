@@ -1,21 +1,20 @@
-"""Helpers shared by the bench/ scripts: length mixes, timing, peak memory, JSON, models.
+"""Helpers shared by the bench/ drivers: length mixes, the one timing loop, peak memory, JSON, model sizes.
 
-Every script here runs on CPU (gloo) and, unchanged, under torchrun on GPUs (NCCL, one GPU per
-rank from LOCAL_RANK, via titan_draft._compat.device()).
+Every driver runs as `python -m bench.<name>` from the repository root, on CPU (gloo) and, unchanged,
+under torchrun on GPUs (NCCL, one GPU per rank from LOCAL_RANK, via titan_draft._compat.device()).
 """
 import datetime
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from titan_draft import _compat  # noqa: E402,F401  (before torchtitan)
+from titan_draft import _compat  # before torchtitan
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXES = ("lognormal", "pareto", "one_long")
 
 
@@ -37,32 +36,51 @@ def document_lengths(mix: str, total: int, generator: torch.Generator, multiple:
 
 
 def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; CPU ops are done when they return)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def median_time(step, warmup: int, iters: int, device: torch.device, group=None) -> tuple[float, int | None]:
-    """(median seconds of step(), peak bytes allocated on `device` during the timed steps or None on CPU).
+def timed(fn, device: torch.device, group=None):
+    """(seconds, fn()'s result) of one call, from a device sync to the device sync after it. With a
+    process group, the call starts after a barrier and its time is the slowest rank's (a step of
+    several ranks is done when its last rank is)."""
+    if group is not None:
+        dist.barrier(group=group)
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    if group is not None:
+        slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        seconds = float(slowest)
+    return seconds, result
 
-    With a process group, every timed step starts after a barrier and counts as the slowest rank's
-    time (a CP step is done when its last rank is)."""
+
+def alternate(steps: dict, rounds: int, device: torch.device, group=None, report=None) -> dict[str, list]:
+    """The timing loop of every bench: `rounds` rounds of the named steps in turn (A B C A B C ...:
+    drifts of the machine hit all alike), each call timed. Returns {name: [(seconds, result), ...]};
+    report(round, name, seconds, result), when given, is called after every call (progress lines)."""
+    records = {name: [] for name in steps}
+    for i in range(rounds):
+        for name, step in steps.items():
+            seconds, result = timed(step, device, group)
+            records[name].append((seconds, result))
+            if report is not None:
+                report(i, name, seconds, result)
+    return records
+
+
+def median_time(step, warmup: int, iters: int, device: torch.device, group=None) -> tuple[float, int | None]:
+    """(median seconds of step() over `iters` timed calls after `warmup` untimed ones, peak bytes
+    allocated on `device` during the timed calls or None off CUDA); see `timed` for process groups."""
     for _ in range(warmup):
         step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(iters):
-        if group is not None:
-            dist.barrier(group=group)
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    if group is not None:
-        slowest = torch.tensor(times, dtype=torch.float64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-        times = slowest.tolist()
+    times = [seconds for seconds, _ in alternate({"step": step}, iters, device, group)["step"]]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return statistics.median(times), peak
 
@@ -86,24 +104,35 @@ def gib(nbytes) -> str:
 def environment() -> dict:
     """Date, device kind and software versions for a result JSON."""
     info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                torch=torch.__version__, device="cpu")
+                torch=torch.__version__, device="cpu", threads=torch.get_num_threads())
     if torch.cuda.is_available():
         info.update(device=torch.cuda.get_device_name(_compat.device()), cuda=torch.version.cuda,
                     nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"))
     return info
 
 
+def device_tag(device: torch.device) -> str:
+    """A short name of the device for result file names: cpu, h200, a100, ..."""
+    if device.type != "cuda":
+        return device.type
+    return torch.cuda.get_device_name(device).split()[-1].lower()
+
+
 def write_json(path: str | None, result: dict) -> None:
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+    """Write `result` to `path` (folders made) atomically: a reader never sees half a file."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(partial, path)
 
 
-def policy_model_args(name: str, flavor: str, max_seq_len: int, dim: int = 0, layers: int = 0, heads: int = 0,
-                      kv_heads: int = 0, vocab: int = 0):
-    """titan_draft's torchtitan model args for (name, flavor), with the given sizes overridden (0 = keep)."""
-    from titan_draft.models.policy import model_args
+def sized_model_args(name: str, flavor: str, max_seq_len: int, *, dim: int = 0, layers: int = 0, heads: int = 0,
+                     kv_heads: int = 0, vocab: int = 0):
+    """titan_draft.models.policy.model_args for (name, flavor), with the given sizes overridden (0 = keep)."""
+    from titan_draft.models.policy import model_args  # torchtitan: only for the drivers that build models
 
     args = model_args(name, flavor, max_seq_len)
     for field, value in (("dim", dim), ("n_layers", layers), ("n_heads", heads), ("n_kv_heads", kv_heads),
@@ -115,18 +144,10 @@ def policy_model_args(name: str, flavor: str, max_seq_len: int, dim: int = 0, la
     return args
 
 
-def build_policy_from_args(args, seed: int = 0) -> torch.nn.Module:
-    """A freshly initialised torchtitan policy for `args` on this rank's device, packed attention installed."""
-    from titan_draft.models.policy import install_packed_attention
-
-    if type(args).__name__.startswith("Qwen3"):
-        from torchtitan.models.qwen3 import Qwen3Model as Model
-    else:
-        from torchtitan.models.llama3 import Transformer as Model
-    torch.manual_seed(seed)
-    with torch.device(_compat.device()):
-        policy = Model(args)
-        with torch.no_grad():
-            policy.init_weights()
-    install_packed_attention(policy)
-    return policy
+def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`module` with its parameters in `dtype`. Not Module.to(dtype): that would also cast the complex
+    RoPE tables (torchtitan's freqs_cis) to a real dtype, dropping their imaginary part."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.data = p.data.to(dtype)
+    return module

@@ -1,8 +1,8 @@
 """Forward+backward cost of branch attention against plain causal varlen attention and the
 naive materialised version, on the same packed tokens.
 
-    .venv/bin/python bench/branch_attention.py --device cpu
-    python bench/branch_attention.py --device cuda --out outputs/bench_branch_attention.json
+    .venv/bin/python -m bench.branch_attention --device cpu
+    python -m bench.branch_attention --device cuda --out outputs/bench_branch_attention.json
 
 plain  = branch_attention without a branch (P = 0): the same primitives, trunk only.
 branch = branch_attention with P = 2 and 3 branch passes.
@@ -12,16 +12,12 @@ max_memory_allocated, inputs included) is measured on CUDA only: torch's CPU all
 visible to tracemalloc, so CPU rows leave it out.
 """
 import argparse
-import json
 import os
-import statistics
-import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from titan_draft.ops import available_backends, branch_attention, branch_attention_reference  # noqa: E402
+from bench._common import median_time, write_json
+from titan_draft.ops import available_backends, branch_attention, branch_attention_reference
 
 BRANCH_PASSES = (2, 3)
 NAIVE_PASSES = 3
@@ -75,33 +71,16 @@ def make_inputs(args, tokens, passes, generator):
     return inputs
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(args, attention, inputs, cu_seqlens):
     """Median forward+backward milliseconds, and peak GiB on cuda (None on cpu)."""
-    device = inputs[0].device
     grad_out = torch.randn_like(inputs[0])
 
     def step():
         out, _ = attention(*inputs[:3], *(inputs[3:] or (None, None)), cu_seqlens=cu_seqlens)
         torch.autograd.grad(out, inputs, grad_out)
 
-    for _ in range(args.warmup):
-        step()
-    synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(args.iters):
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return statistics.median(times), peak
+    seconds, peak = median_time(step, args.warmup, args.iters, inputs[0].device)
+    return 1e3 * seconds, None if peak is None else peak / 2**30
 
 
 def measure_naive(args, tokens, generator, cu_seqlens):
@@ -151,9 +130,7 @@ def main():
             print(f"{tokens:>8} {passes:>2} {plain_ms:>10.2f} {branch_ms:>10.2f} "
                   f"{row['throughput_pct']:>9.1f}% {mem:>9} {naive:>10}")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(config=vars(args), backend=backend, rows=rows), f, indent=2)
+        write_json(args.out, dict(config=vars(args), backend=backend, rows=rows))
         print(f"wrote {args.out}")
 
 

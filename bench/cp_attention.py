@@ -1,8 +1,8 @@
 """Context-parallel branch attention: load balance, per-rank compute and memory, gloo wall time.
 
-    .venv/bin/python bench/cp_attention.py                      # (a) load balance, runs anywhere
-    python bench/cp_attention.py --emulate-ring --out outputs/bench_cp_emulated.json   # (b) one GPU
-    .venv/bin/python bench/cp_attention.py --gloo 2 4           # (c) CPU, spawns torchrun itself
+    .venv/bin/python -m bench.cp_attention                      # (a) load balance, runs anywhere
+    python -m bench.cp_attention --emulate-ring --out outputs/bench_cp_emulated.json   # (b) one GPU
+    .venv/bin/python -m bench.cp_attention --gloo 2 4           # (c) CPU, spawns torchrun itself
 
 (a) Attention work (causal same-document query/key pairs, proportional to FLOPs) of each rank
     for zigzag vs contiguous sharding of the same packed batch, CP = 2..64, on long-tailed length
@@ -18,18 +18,16 @@
 """
 import argparse
 import json
-import os
 import subprocess
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MIXES, document_lengths, environment, median_time, write_json  # noqa: E402
-from titan_draft.ops import branch_attention  # noqa: E402
-from titan_draft.packing import cu_seqlens_from_lengths  # noqa: E402
-from titan_draft.parallel import CpGroup, ZigzagLayout, cp_branch_attention  # noqa: E402
-from titan_draft.parallel.cp_attention import MODES  # noqa: E402
+from bench._common import MIXES, REPO_ROOT, document_lengths, environment, median_time, write_json
+from titan_draft.ops import branch_attention
+from titan_draft.packing import cu_seqlens_from_lengths
+from titan_draft.parallel import CpGroup, ZigzagLayout, cp_branch_attention
+from titan_draft.parallel.cp_attention import MODES
 
 
 def parse_args():
@@ -249,11 +247,12 @@ def gloo_wall_times(args) -> list[dict]:
     rows = []
     for world in args.gloo or [2, 4]:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                   os.path.abspath(__file__), "--gloo-worker", "--total", str(args.total), "--mix", args.mix,
+                   "-m", "bench.cp_attention", "--gloo-worker", "--total", str(args.total), "--mix", args.mix,
                    "--passes", str(args.passes), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
                    "--head-dim", str(args.head_dim), "--warmup", str(args.warmup), "--iters", str(args.iters),
                    "--seed", str(args.seed)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        # From the repository root: the workers import the bench package as this process does.
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
         if done.returncode != 0:
             raise RuntimeError(f"gloo run with {world} ranks failed:\n{done.stderr[-3000:]}")
         rows += [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]

@@ -1,12 +1,12 @@
 """CP strong scaling on N ranks: the draft's branch attention and a whole co-training step.
 
     # GPUs (NCCL, one GPU per rank from LOCAL_RANK, bf16), 256K tokens per sample; run N = 1 first:
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 1 bench/cp_scaling.py --out outputs/cp_scaling_1.json
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 8 bench/cp_scaling.py \\
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 1 -m bench.cp_scaling --out outputs/cp_scaling_1.json
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 8 -m bench.cp_scaling \\
         --reference outputs/cp_scaling_1.json --out outputs/cp_scaling_8.json
     # CPU (gloo, float32), tiny sizes:
     OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node 2 \\
-        bench/cp_scaling.py --reference outputs/cp_scaling_cpu_1.json --out outputs/cp_scaling_cpu_2.json
+        -m bench.cp_scaling --reference outputs/cp_scaling_cpu_1.json --out outputs/cp_scaling_cpu_2.json
 
 N (the world size) is the CP degree; every rank holds 1/N of one packed sample of --total tokens
 (documents from a long-tailed length mix, bench/_common.document_lengths).
@@ -15,56 +15,55 @@ N (the world size) is the CP degree; every rank holds 1/N of one packed sample o
      all tokens. Document lengths are multiples of 2 * --max-cp so every N <= --max-cp shards the
      same sample.
 (ii) cotrain: one co-training step as train.py runs it, without the optimizer: apply_context_parallel
-     (zigzag rows, ring/allgather attention in the policy, halo shifts and CP branch attention in the
-     draft), forward_packed with TapRecorder, policy cross-entropy, the draft's TTT loss (draft_loss),
-     backward of both. Parameters are FSDP2-sharded over CP (titan_draft.parallel.parallelize, as
-     torchtitan shards over dp_shard x cp) in --param-dtype with float32 gradient reduction;
-     N = 1 runs the same models unsharded under torchtitan's AMP (maybe_enable_amp) on the unpadded
-     batch. Documents have their natural lengths: zigzag padding is part of the CP cost.
+     (ring/allgather attention in the policy) and shard_batch_for_cp (zigzag rows, halo shifts and CP
+     branch attention in the draft), forward_packed with TapRecorder, policy cross-entropy, the
+     draft's TTT loss (draft_loss), backward of both. Parameters are FSDP2-sharded over CP
+     (titan_draft.parallel.parallelize, as torchtitan shards over dp_shard x cp) in --param-dtype
+     with float32 gradient reduction; N = 1 runs the same models unsharded under autocast
+     (parallelize.training_autocast: torchtitan's rule) on the unpadded batch. Documents have their
+     natural lengths: zigzag padding is part of the CP cost.
 Times are the median over --iters of the slowest rank's step (a barrier before each). Peak memory
 is torch.cuda.max_memory_allocated per rank (n/a on CPU). Efficiency = T(1) / (N * T(N)) with
 T(1) from --reference, the JSON of an N = 1 run with the same sizes (a separate run: a CP = 1
 pass inside an N-rank job would leave N - 1 ranks idle and need the whole sample's memory).
 """
 import argparse
-import contextlib
+import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (  # noqa: E402
+from bench._common import (
     MIXES,
-    build_policy_from_args,
     document_lengths,
     environment,
     gather_peaks,
     gib,
     median_time,
-    policy_model_args,
+    sized_model_args,
     write_json,
 )
-from cp_attention import local_inputs, time_step  # noqa: E402
-from titan_draft import _compat  # noqa: E402
-from titan_draft.config import parse_config  # noqa: E402
-from titan_draft.models import default_tap_layers  # noqa: E402
-from titan_draft.cotrain import draft_loss, local_draft_inputs  # noqa: E402
-from titan_draft.models.draft import EagleDraft, draft_args_for  # noqa: E402
-from titan_draft.models.policy import TapRecorder, forward_packed  # noqa: E402
-from titan_draft.ops import branch_attention  # noqa: E402
-from titan_draft.packing import cu_seqlens_from_lengths, pack  # noqa: E402
-from titan_draft.parallel import CpGroup, apply_context_parallel, cp_branch_attention  # noqa: E402
-from titan_draft.parallel.cp_attention import MODES  # noqa: E402
-from titan_draft.parallel.parallelize import (  # noqa: E402
+from bench.cp_attention import local_inputs, time_step
+from titan_draft import _compat
+from titan_draft.config import parse_config
+from titan_draft.cotrain import CoTrainSpec, draft_loss
+from titan_draft.models import build_draft
+from titan_draft.models.policy import TapRecorder, forward_packed, policy_from_args
+from titan_draft.ops import branch_attention
+from titan_draft.packing import cu_seqlens_from_lengths, pack
+from titan_draft.parallel import CpGroup, cp_branch_attention
+from titan_draft.parallel.context_parallel import apply_context_parallel, shard_batch_for_cp
+from titan_draft.parallel.cp_attention import MODES
+from titan_draft.parallel.parallelize import (
     build_parallel_dims,
     loss_group,
     loss_scale,
     parallelize_draft,
     parallelize_policy,
     sum_over_dp,
+    training_autocast,
 )
 
 PARTS = ("attention", "cotrain")
@@ -155,19 +154,17 @@ def build_cotrain(args, world: int):
                         "--training.mixed_precision_reduce", "float32",
                         "--parallelism.context_parallel_degree", str(world),
                         "--parallelism.data_parallel_shard_degree", "1",
-                        "--activation_checkpoint.mode", args.ac, "--draft.ttt_steps", str(args.ttt_steps)])
+                        "--activation_checkpoint.mode", args.ac, "--draft.ttt_steps", str(args.ttt_steps),
+                        "--draft.vocab_size", str(args.draft_vocab)])
     dims = build_parallel_dims(cfg, world)
     if world > 1:
         dims.build_mesh()
     else:
         dims = None  # one process: no meshes, the helpers below take None for "no parallelism"
-    margs = policy_model_args(args.policy, args.flavor, args.total, dim=args.policy_dim, layers=args.policy_layers,
-                              heads=args.policy_heads, kv_heads=args.policy_kv_heads, vocab=args.vocab)
-    layers = default_tap_layers(margs.n_layers)
-    policy = build_policy_from_args(margs, seed=args.seed)
-    with torch.device(_compat.device()):
-        draft = EagleDraft(draft_args_for(margs, len(layers), args.draft_vocab))
-        draft.init_weights()
+    margs = sized_model_args(args.policy, args.flavor, args.total, dim=args.policy_dim, layers=args.policy_layers,
+                             heads=args.policy_heads, kv_heads=args.policy_kv_heads, vocab=args.vocab)
+    policy = policy_from_args(margs, seed=args.seed)
+    draft, layers = build_draft(cfg, margs, _compat.device())
     if args.ac != "none":
         from torchtitan.distributed.activation_checkpoint import apply_ac
 
@@ -180,25 +177,21 @@ def build_cotrain(args, world: int):
 
 def measure_cotrain(args, device) -> list[dict]:
     """(ii): rows of {mode, seconds, peaks} for one co-training step (forward + backward, no optimizer)."""
-    from torchtitan.distributed.utils import maybe_enable_amp
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg, dims, margs, policy, draft, layers = build_cotrain(args, world)
+    spec = CoTrainSpec.from_config(cfg.draft, layers)
     sample = random_sample(args, margs.vocab_size).to(device)
     mesh = None if dims is None else dims.get_mesh("cp")
     # torchtitan's rule: FSDP does mixed precision, a single device uses AMP.
-    amp_dims = build_parallel_dims(cfg, world) if dims is None else dims
-    amp = (contextlib.nullcontext() if args.param_dtype == "float32" else
-           maybe_enable_amp(amp_dims, args.param_dtype, device.type))
+    amp = training_autocast(args.param_dtype, device, dims)
     group = None if mesh is None else mesh.get_group()
     rows = []
     for mode in MODES if mesh is not None else ("single",):
-        if mesh is None:
-            batch = sample
-            shift, draft_attn = local_draft_inputs(batch)
-        else:
-            batch, shift, draft_attn = apply_context_parallel(policy, sample, mesh, mode, max_shift=args.ttt_steps)
-        targets = shift(batch.tokens, 1)
+        batch = sample
+        if mesh is not None:  # this mode's attention in the policy, this rank's zigzag rows of the sample
+            apply_context_parallel(policy, mesh, mode)
+            batch = shard_batch_for_cp(sample, mesh, mode)
+        targets = batch.shift(1)(batch.tokens, 1)
         count = sum_over_dp(batch.loss_mask.sum().float(), dims, "loss")
 
         def step():
@@ -209,8 +202,8 @@ def measure_cotrain(args, device) -> list[dict]:
                     logits = forward_packed(policy, batch)
                 mask = batch.loss_mask
                 policy_loss = F.cross_entropy(logits[mask].float(), targets[mask], reduction="sum") / count
-                ttt, _ = draft_loss(draft, recorder.embeddings(), recorder.taps(), logits, batch, args.ttt_steps,
-                                    cfg.draft.pass_decay, shift, draft_attn, group=loss_group(dims))
+                ttt, _ = draft_loss(draft, recorder.embeddings(), recorder.taps(), logits, batch, spec,
+                                    group=loss_group(dims))
             loss = policy_loss + cfg.draft.loss_weight * ttt
             (loss_scale(dims) * loss).backward()
             last_loss[0] = loss.detach().float()
@@ -261,8 +254,6 @@ def print_table(rows, world, args, device, dtype):
 
 
 def main(argv=None):
-    import json
-
     args = parse_args(argv)
     reference = None
     if args.reference:

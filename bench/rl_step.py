@@ -1,89 +1,65 @@
-"""End-to-end RL step time: speculative rollouts with online draft co-training vs no speculation.
+"""End-to-end RL step time per [draft] mode, side by side in one process: none (plain sampling, no
+draft), frozen (the warm-started draft proposes and never trains), cotrain (the draft proposes and
+trains inside every step).
 
-One process, one job config. The warm starts run once (SFT policy, draft warm-up: titan_draft.warmstart,
-as the job does); then two identical copies of the trained state step side by side, alternating
-A B A B: A = [draft] mode cotrain (the draft proposes, the policy verifies; the draft trains inside
-every step), B = mode none (plain sampling, no draft). Each step is titan_draft.train's own
-collect_rollouts + train_on. The first --skip steps of each mode are left out of the statistics
-(allocation, CUDA graph capture); the table gives medians over the rest.
+One job config: a preset's TOML of train_configs/ plus overrides. The job's warm start runs once
+(titan_draft.job.build_job + warm_start); then every mode steps its own copy of the trained policy,
+draft, draft optimizer and data streams, in turn (none frozen cotrain none frozen cotrain ...: drifts
+of the machine hit all modes alike). A step is titan_draft.train's collect_rollouts + train_step,
+timed end to end. The first --skip steps of each mode are left out of the time statistics
+(allocation, CUDA graph capture, the adaptive-K controller's first cost measurements); rewards are
+reported for every step. The draft's share of the RL train time is train_step's own draft_time_s
+(the draft's forward, backward and optimizer step) over its train_time_s.
 
-  .venv/bin/python bench/rl_step.py --out outputs/rl_step_cpu.json                # CPU: a few minutes
-  python bench/rl_step.py --preset gpu --out outputs/rl_step_gpu.json            # one H200
-  python bench/rl_step.py --preset gpu_long --out outputs/rl_step_gpu_long.json  # one H200, long answers
-  .venv/bin/python bench/rl_step.py --out x.json -- --rl.prompts_per_step 64     # any config override
+  python -m bench.rl_step --preset tiny           # CPU, about a minute: what tests/test_bench.py runs
+  python -m bench.rl_step --preset cpu            # CPU, a few minutes (the default job's models)
+  python -m bench.rl_step --preset gpu            # one H200: 512 short rollouts per step
+  python -m bench.rl_step --preset gpu_long       # one H200: long answers, 8 rollouts per step
+  python -m bench.rl_step --preset gpu_tail       # one H200: arith, heavy-tailed answer lengths, 512 rollouts
+  python -m bench.rl_step --preset cpu -- --rl.prompts_per_step 64   # any job config override after --
+Prints a table and writes bench/results/rl_step_<preset>.json (--out to change).
 """
 import argparse
 import copy
-import json
+import dataclasses
+import os
 import statistics
 import tempfile
-import time
 
 import torch
 
-from titan_draft import _compat
-from titan_draft.config import parse_config, validate
-from titan_draft.metrics import MetricsLogger
-from titan_draft.models.policy import model_args
-from titan_draft.parallel.parallelize import training_autocast
-from titan_draft.tasks import build_task
-from titan_draft.train import RLState, build_models, collect_rollouts, train_on
-from titan_draft.warmstart import draft_vocab_from_data, sft_policy, warmup_draft
+from bench._common import REPO_ROOT, alternate, environment, write_json
+from bench._job import add_job_arguments, job_config, resolve_preset, warm_started_job
+from titan_draft.train import RLState, collect_rollouts, spec_metrics, train_step
 
+# The test's preset: the default job's config at the sizes of tests/test_rl_step.py.
+TINY_OVERRIDES = ["--model.flavor", "tiny_gqa", "--training.seq_len", "16", "--task.num_items", "2",
+                  "--task.alphabet_size", "4", "--rl.sft_steps", "30", "--rl.sft_batch_size", "16",
+                  "--draft.warmup_steps", "3", "--rl.prompts_per_step", "4", "--rl.group_size", "4"]
 PRESETS = {
+    "tiny": dict(config="train_configs/sort_tiny_cpu.toml", overrides=TINY_OVERRIDES, steps=2, skip=1),
     "cpu": dict(config="train_configs/sort_tiny_cpu.toml", steps=8, skip=1),
     "gpu": dict(config="train_configs/sort_gpu.toml", steps=20, skip=2),
     "gpu_long": dict(config="train_configs/sort_gpu_long.toml", steps=10, skip=2),
+    "gpu_tail": dict(config="train_configs/arith_gpu_tail.toml", steps=20, skip=2),
 }
-MODES = ("cotrain", "none")
+MODES = ("none", "frozen", "cotrain")
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--config", help="job TOML (default: the preset's)")
+    add_job_arguments(p, PRESETS, default="gpu" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, help="timed RL steps per mode (after --skip)")
-    p.add_argument("--skip", type=int, help="first RL steps per mode left out of the statistics")
-    p.add_argument("--out", required=True, help="JSON output path")
-    p.add_argument("overrides", nargs="*", help="job config overrides after --, e.g. -- --rl.sft_steps 100")
+    p.add_argument("--skip", type=int, help="first RL steps per mode left out of the time statistics")
+    p.add_argument("--out", help="JSON output path (default bench/results/rl_step_<preset>.json)")
     args = p.parse_args()
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    preset = resolve_preset(args, PRESETS)
+    args.steps = preset["steps"] if args.steps is None else args.steps
+    args.skip = preset["skip"] if args.skip is None else args.skip
+    args.out = args.out or os.path.join(REPO_ROOT, "bench", "results", f"rl_step_{args.preset}.json")
     if args.steps < 1 or args.skip < 0:
         p.error("--steps must be >= 1 and --skip >= 0")
     return args
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def warm_start(cfg, device, folder):
-    """The job's warm starts (same calls and generators as titan_draft.train.run): (model args, task, tap
-    layers), the trained (policy, draft, draft optimizer, data and rollout generators), and their times."""
-    seed = cfg.debug.seed if cfg.debug.seed is not None else 0
-    torch.manual_seed(seed)
-    data_gen, warmup_gen = torch.Generator().manual_seed(seed + 1), torch.Generator().manual_seed(seed + 3)
-    rollout_gen = torch.Generator(device=device).manual_seed(seed + 2)
-    args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
-    task = build_task(cfg, args.vocab_size)
-    _, policy, draft, layers = build_models(cfg, device)
-    d, rl = cfg.draft, cfg.rl
-    metrics = MetricsLogger(folder, tensorboard=False)
-    amp = training_autocast(cfg.training.mixed_precision_param, device)
-    times = {}
-    t0 = time.perf_counter()
-    sft_policy(policy, task, rl.sft_steps, rl.sft_lr, rl.sft_batch_size, data_gen, device, metrics, amp=amp)
-    times["sft_s"] = time.perf_counter() - t0
-    draft_vocab_from_data(task, draft, data_gen)
-    t0 = time.perf_counter()
-    draft_opt = warmup_draft(policy, draft, task, layers, d.warmup_steps, d.lr, d.max_norm, rl.sft_batch_size,
-                             d.ttt_steps, d.pass_decay, warmup_gen, device, metrics, amp=amp)
-    times["draft_warmup_s"] = time.perf_counter() - t0
-    metrics.close()
-    return (args, task, layers), (policy, draft, draft_opt, data_gen, rollout_gen), times
 
 
 def clone_generator(g: torch.Generator) -> torch.Generator:
@@ -93,92 +69,106 @@ def clone_generator(g: torch.Generator) -> torch.Generator:
     return clone
 
 
-def timed_step(state, device) -> dict:
-    """One RL step (collect_rollouts + train_on), timed end to end after a device sync."""
-    sync(device)
-    t0 = time.perf_counter()
-    rollouts = collect_rollouts(state)
-    stats = train_on(state, rollouts)
-    sync(device)
-    step_s = time.perf_counter() - t0
-    tokens = int(rollouts.response_lengths.sum())
-    return {"step_s": step_s, "rollout_s": rollouts.metrics["rollout_time_s"], "train_s": stats["train_time_s"],
-            "acceptance_length": rollouts.metrics["acceptance_length"], "generated_tokens": tokens,
-            "rollout_tokens_per_s": rollouts.metrics["rollout_tokens_per_s"], "reward_mean": stats["reward_mean"],
-            "draft_acc_pass1": stats.get("draft_acc_pass1")}
+def mode_state(job, draft_opt, mode: str) -> RLState:
+    """The RL state of [draft] mode `mode` on copies of the warm-started models, draft optimizer and
+    data streams (every mode starts RL from the same trained state and draws the same prompts)."""
+    cfg = copy.deepcopy(job.cfg)
+    cfg.draft.mode = mode
+    policy, draft, optimizer = copy.deepcopy((job.policy, job.draft, draft_opt))  # the optimizer keeps its draft
+    generators = {name: clone_generator(g) for name, g in job.generators.items()}
+    return RLState.create(dataclasses.replace(job, cfg=cfg, policy=policy, draft=draft, generators=generators),
+                          optimizer)
+
+
+def step_of(state: RLState):
+    """One RL step of `state` (collect_rollouts + train_step) returning what the bench reports of it."""
+    def step() -> dict:
+        rollouts = collect_rollouts(state)
+        stats = train_step(state, rollouts)
+        m = rollouts.metrics
+        record = {"rollout_s": m["rollout_time_s"], "train_s": stats["train_time_s"],
+                  "draft_s": stats.get("draft_time_s", 0.0), "acceptance_length": m["acceptance_length"],
+                  "generated_tokens": int(rollouts.response_lengths.sum()), "response_len_max": m["response_len_max"],
+                  "rollout_tokens_per_s": m["rollout_tokens_per_s"], "reward_mean": stats["reward_mean"],
+                  "draft_acc_pass1": stats.get("draft_acc_pass1")}
+        if state.cfg.draft.mode != "none":
+            record["spec"] = spec_metrics(rollouts.counts)
+        return record
+
+    return step
 
 
 def summarise(steps: list[dict]) -> dict:
-    med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
-    step_s, rollout_s = med("step_s"), med("rollout_s")
-    return {"steps": len(steps), "step_s": step_s, "rollout_s": rollout_s, "train_s": med("train_s"),
-            "rollout_share": statistics.median(s["rollout_s"] / s["step_s"] for s in steps),
+    """Medians of the timed steps (means for acceptance and reward)."""
+    def median(fn):
+        return statistics.median(fn(s) for s in steps)
+
+    return {"steps": len(steps), "step_s": median(lambda s: s["step_s"]), "rollout_s": median(lambda s: s["rollout_s"]),
+            "train_s": median(lambda s: s["train_s"]), "draft_s": median(lambda s: s["draft_s"]),
+            "draft_share_of_train": median(lambda s: s["draft_s"] / s["train_s"]),
+            "rollout_share": median(lambda s: s["rollout_s"] / s["step_s"]),
             "acceptance_length": statistics.mean(s["acceptance_length"] for s in steps),
-            "rollout_tokens_per_s": med("rollout_tokens_per_s"),
-            "step_tokens_per_s": statistics.median(s["generated_tokens"] / s["step_s"] for s in steps),
+            "rollout_tokens_per_s": median(lambda s: s["rollout_tokens_per_s"]),
+            "step_tokens_per_s": median(lambda s: s["generated_tokens"] / s["step_s"]),
             "reward_mean": statistics.mean(s["reward_mean"] for s in steps)}
+
+
+def print_tables(a, cfg, table: dict, records: dict, speedups: dict) -> None:
+    ro = cfg.rollout
+    print(f"\nRL step, median of {a.steps} steps per mode ({a.skip} skipped), {cfg.rl.prompts_per_step} prompts x "
+          f"{cfg.rl.group_size} samples, K = {ro.num_speculative_tokens}{' (adaptive)' if ro.adaptive else ''}, "
+          f"task {cfg.task.name}")
+    print(f"{'mode':<8} {'step s':>8} {'rollout s':>10} {'train s':>8} {'draft s':>8} {'draft %':>8} "
+          f"{'rollout %':>10} {'accept':>7} {'rollout tok/s':>14} {'step tok/s':>11} {'reward':>7}")
+    for mode, t in table.items():
+        print(f"{mode:<8} {t['step_s']:>8.3f} {t['rollout_s']:>10.3f} {t['train_s']:>8.3f} {t['draft_s']:>8.3f} "
+              f"{100 * t['draft_share_of_train']:>7.1f}% {100 * t['rollout_share']:>9.1f}% "
+              f"{t['acceptance_length']:>7.2f} {t['rollout_tokens_per_s']:>14.0f} {t['step_tokens_per_s']:>11.0f} "
+              f"{t['reward_mean']:>7.3f}")
+    for mode in ("frozen", "cotrain"):
+        print(f"step time none / {mode} = {speedups[f'step_none_over_{mode}']:.3f}   rollout time none / {mode} = "
+              f"{speedups[f'rollout_none_over_{mode}']:.3f}")
+    print("\nreward per RL step (* = left out of the time statistics)")
+    print(f"{'step':>5} " + " ".join(f"{mode:>8}" for mode in MODES))
+    for i in range(a.skip + a.steps):
+        print(f"{i + 1:>4}{'*' if i < a.skip else ' '} " + " ".join(f"{records[m][i]['reward_mean']:>8.3f}"
+                                                                   for m in MODES))
 
 
 def main():
     a = parse_args()
-    device = _compat.device()
-    argv = ["--job.config_file", a.config, *a.overrides]
-    cfg = parse_config(argv)
-    args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
-    validate(cfg, 1, args.n_layers, args.vocab_size)
-    cfg.draft.mode = "cotrain"  # the warm starts include the draft's
-    folder = tempfile.mkdtemp(prefix="rl_step_bench_")
-    (args, task, layers), trained, warm_times = warm_start(cfg, device, folder)
-    print(f"warm starts: SFT {warm_times['sft_s']:.1f} s, draft warm-up {warm_times['draft_warmup_s']:.1f} s "
-          f"({cfg.model.flavor} policy, {cfg.task.num_items} items, {device})", flush=True)
+    cfg = job_config(a.config, a.overrides)
+    job, draft_opt, warm_start_s = warm_started_job(cfg, tempfile.mkdtemp(prefix="rl_step_bench_"))
+    print(f"warm start (SFT, draft warm-up): {warm_start_s:.1f} s ({cfg.model.flavor} policy, task "
+          f"{cfg.task.name}, {job.device})", flush=True)
+    states = {mode: mode_state(job, draft_opt, mode) for mode in MODES}
 
-    states = {}
-    for mode in MODES:  # identical copies of the trained models, optimizer and generators; the job's RL state
-        mode_cfg = copy.deepcopy(cfg)
-        mode_cfg.draft.mode = mode
-        policy, draft, draft_opt = copy.deepcopy(trained[:3])  # one deepcopy: the optimizer keeps its draft
-        data_gen, rollout_gen = (clone_generator(g) for g in trained[3:])
-        states[mode] = RLState.create(mode_cfg, args, task, policy, draft, draft_opt, layers, device, data_gen,
-                                      rollout_gen)
-    del trained
-    records = {mode: [] for mode in MODES}
-    for i in range(a.skip + a.steps):  # A B A B: drifts of the machine hit both modes alike
-        for mode in MODES:
-            r = timed_step(states[mode], device)
-            if i >= a.skip:
-                records[mode].append(r)
-            print(f"step {i + 1:>3} {mode:<8} {r['step_s']:.3f} s (rollout {r['rollout_s']:.3f}, train "
-                  f"{r['train_s']:.3f}) acceptance {r['acceptance_length']:.2f} reward {r['reward_mean']:.3f}",
-                  flush=True)
+    def progress(i, mode, seconds, r):
+        print(f"step {i + 1:>3} {mode:<8} {seconds:.3f} s (rollout {r['rollout_s']:.3f}, train {r['train_s']:.3f}, "
+              f"draft {r['draft_s']:.3f}) acceptance {r['acceptance_length']:.2f} reward {r['reward_mean']:.3f}",
+              flush=True)
 
-    table = {mode: summarise(records[mode]) for mode in MODES}
-    speedup = table["none"]["step_s"] / table["cotrain"]["step_s"]
-    rollout_speedup = table["none"]["rollout_s"] / table["cotrain"]["rollout_s"]
-    header = (f"{'mode':<8} {'step s':>8} {'rollout s':>10} {'train s':>8} {'rollout %':>10} {'accept':>7} "
-              f"{'rollout tok/s':>14} {'step tok/s':>11}")
-    print(f"\nRL step, median of {a.steps} steps per mode ({a.skip} skipped), {cfg.rl.prompts_per_step} prompts x "
-          f"{cfg.rl.group_size} samples, K = {cfg.rollout.num_speculative_tokens}, {device}")
-    print(header)
-    for mode, t in table.items():
-        print(f"{mode:<8} {t['step_s']:>8.3f} {t['rollout_s']:>10.3f} {t['train_s']:>8.3f} "
-              f"{100 * t['rollout_share']:>9.1f}% {t['acceptance_length']:>7.2f} {t['rollout_tokens_per_s']:>14.0f} "
-              f"{t['step_tokens_per_s']:>11.0f}")
-    print(f"step time none / cotrain = {speedup:.3f}   rollout time none / cotrain = {rollout_speedup:.3f}")
+    timed = alternate({mode: step_of(states[mode]) for mode in MODES}, a.skip + a.steps, job.device,
+                      report=progress)
+    records = {mode: [{"step_s": seconds, **r} for seconds, r in steps] for mode, steps in timed.items()}
+    table = {mode: summarise(records[mode][a.skip:]) for mode in MODES}
+    speedups = {}
+    for mode in ("frozen", "cotrain"):
+        speedups[f"step_none_over_{mode}"] = table["none"]["step_s"] / table[mode]["step_s"]
+        speedups[f"rollout_none_over_{mode}"] = table["none"]["rollout_s"] / table[mode]["rollout_s"]
+    print_tables(a, cfg, table, records, speedups)
 
-    report = {"config": a.config, "overrides": a.overrides, "device": str(device),
-              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "threads": torch.get_num_threads(),
+    report = {"preset": a.preset, "config": a.config, "overrides": a.overrides, **environment(),
               "policy": {"name": cfg.model.name, "flavor": cfg.model.flavor,
-                         "params": sum(p.numel() for p in states["none"].policy.parameters())},
-              "draft_params": sum(p.numel() for p in states["cotrain"].draft.parameters()),
-              "task": {"num_items": cfg.task.num_items, "answer_tokens": cfg.task.num_items + 1},
-              "rl": {"prompts_per_step": cfg.rl.prompts_per_step, "group_size": cfg.rl.group_size,
-                     "num_speculative_tokens": cfg.rollout.num_speculative_tokens},
-              "warm_start": warm_times, "skip": a.skip, "table": table,
-              "step_speedup_none_over_cotrain": speedup, "rollout_speedup_none_over_cotrain": rollout_speedup,
+                         "params": sum(p.numel() for p in job.policy.parameters())},
+              "draft_params": sum(p.numel() for p in job.draft.parameters()),
+              "task": dataclasses.asdict(cfg.task), "rl": dataclasses.asdict(cfg.rl),
+              "rollout": dataclasses.asdict(cfg.rollout), "warm_start_s": warm_start_s, "skip": a.skip,
+              "table": table, "speedups": speedups,
+              "reward_per_step": {mode: [r["reward_mean"] for r in records[mode]] for mode in MODES},
               "steps": records}
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(a.out, report)
+    job.metrics.close()
     print(f"wrote {a.out}")
 
 

@@ -1,7 +1,7 @@
 """Analytic scaling model of context parallelism (CP) and the pipeline TapChannel (PP); docs/scaling_model.md.
 
-    .venv/bin/python bench/scaling_model.py                                  # predictions + 122B extrapolation
-    .venv/bin/python bench/scaling_model.py --load-balance outputs/bench_cp_balance.json \\
+    .venv/bin/python -m bench.scaling_model                                  # predictions + 122B extrapolation
+    .venv/bin/python -m bench.scaling_model --load-balance outputs/bench_cp_balance.json \\
         --emulated outputs/bench_cp_emulated.json --scaling outputs/cp_scaling_*.json \\
         --tapchannel outputs/bench_tapchannel_overhead*.json --out outputs/scaling_model.json
 
@@ -13,11 +13,7 @@ bench/tapchannel_overhead.py) it prints predicted next to measured. Conventions:
 import argparse
 import glob
 import json
-import math
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # --------------------------------------------------------------------------------------------
 # Assumptions for predictions (stated in docs/scaling_model.md)
@@ -167,11 +163,13 @@ POLICY_122B = dict(layers=64, dim=12288, heads=96, kv_heads=8, head_dim=128, ffn
                    taps=3, draft_vocab=32000, ttt_steps=3)
 
 
-def cotrain_step(model, lengths, cp=1, tp=1, pp=1, dp=1, ac=True, b=2, hw=H200) -> dict:
+def cotrain_step(model, lengths, layout=(1, 1, 1, 1), ac=True, b=2, hw=H200) -> dict:
     """Per-rank time and memory of one co-training step (policy + draft forward and backward) of one
-    packed sample under CP x TP x PP (DP = dp replicas, each with its own samples; FSDP shards the
-    parameter state over dp x cp). The draft lives on the last PP stage (its cost is added there)."""
+    packed sample under layout = (cp, tp, pp, dp): CP x TP x PP (DP = dp replicas, each with its own
+    samples; FSDP shards the parameter state over dp x cp). The draft lives on the last PP stage (its
+    cost is added there)."""
     m = model
+    cp, tp, pp, dp = layout
     tokens = sum(lengths)
     t_rank = sum(padded_length(n, cp) for n in lengths) / cp
     p_policy = dense_params(m["layers"], m["dim"], m["heads"], m["kv_heads"], m["head_dim"], m["ffn"], m["vocab"])
@@ -247,10 +245,12 @@ def bubble_fraction(pp, microbatches, virtual=1) -> float:
     return (pp - 1) / (virtual * microbatches + pp - 1)
 
 
-def tapchannel_overhead(mb_tokens, dim, layers, tap_layers, pp, microbatches, step_s, virtual=1, b=2,
+def tapchannel_overhead(mb_tokens, dim, layers, tap_layers, *, schedule: tuple[int, int, int], step_s, b=2,
                         link_bytes_per_s=H200["nvlink_bytes_per_s"] * H200["p2p_efficiency"]) -> dict:
     """Predicted TapChannel cost: its bytes per step, the transfer time if nothing overlapped (an upper
-    bound: the puts are asynchronous and land while later microbatches compute), relative to the step."""
+    bound: the puts are asynchronous and land while later microbatches compute), relative to the step.
+    schedule = (pp, microbatches, virtual stages per rank)."""
+    pp, microbatches, virtual = schedule
     taps = tap_stages(layers, tap_layers, pp, virtual)
     per_mb = sum(tapchannel_bytes_per_microbatch(mb_tokens, dim, n, s == 0, b)
                  for s, n in enumerate(taps) if s < pp * virtual - 1 and (n or s == 0))
@@ -268,7 +268,7 @@ def tapchannel_overhead(mb_tokens, dim, layers, tap_layers, pp, microbatches, st
 def lengths_of(args: dict) -> list[int]:
     import torch
 
-    from _common import document_lengths
+    from bench._common import document_lengths
 
     return document_lengths(args["mix"], args["total"], torch.Generator().manual_seed(args["seed"]),
                             multiple=args.get("multiple", 1))
@@ -278,7 +278,7 @@ def compare_load_balance(path) -> list[dict]:
     """bench/cp_attention.py (a): zigzag max/mean (model: exactly 1) and padded/real pairs (model: formula)."""
     import torch
 
-    from _common import document_lengths
+    from bench._common import document_lengths
 
     with open(path) as f:
         data = json.load(f)
@@ -365,8 +365,8 @@ def compare_tapchannel(paths) -> list[dict]:
         taps = a["tap_layers"] or sorted({1, a["layers"] // 2 - 1, a["layers"] - 1})
         b = 2 if (a.get("dtype") or ("bfloat16" if data.get("device", "cpu") != "cpu" else "float32")) == "bfloat16" \
             else 4
-        model = tapchannel_overhead(a["microbatch"] * a["seq"], a["dim"], a["layers"], taps, pp, a["microbatches"],
-                                    data["median_s"]["twin"], virtual, b)
+        model = tapchannel_overhead(a["microbatch"] * a["seq"], a["dim"], a["layers"], taps,
+                                    schedule=(pp, a["microbatches"], virtual), step_s=data["median_s"]["twin"], b=b)
         rows.append(dict(file=os.path.basename(path), schedule=a["schedule"], pp=pp, device=data.get("device"),
                          measured_overhead=data["overhead_ratio"] - 1, **model,
                          bubble=bubble_fraction(pp, a["microbatches"], virtual)))
@@ -391,7 +391,7 @@ LAYOUTS = [  # (cp, tp, pp, dp): GPUs = product
 def predictions(total: int, mix: str, seed: int) -> dict:
     import torch
 
-    from _common import document_lengths
+    from bench._common import document_lengths
 
     out = {}
     draft = dict(heads=32, kv_heads=8, head_dim=128)
@@ -434,7 +434,7 @@ def predictions(total: int, mix: str, seed: int) -> dict:
           f"{'TP comm s':>9} {'mem GB':>7} {'fits':>5}")
     layouts = []
     for cp, tp, pp, dp in LAYOUTS:
-        r = cotrain_step(m, lengths, cp, tp, pp, dp)
+        r = cotrain_step(m, lengths, (cp, tp, pp, dp))
         r.update(cp=cp, tp=tp, pp=pp, dp=dp, fits=r["memory_gb"] < H200["hbm_bytes"] / 1e9 * 0.9)
         layouts.append(r)
         print(f"{cp:>3} {tp:>3} {pp:>3} {r['gpus']:>5} {r['tokens_per_rank']:>9.0f} {r['compute_s']:>9.2f} "
@@ -446,7 +446,8 @@ def predictions(total: int, mix: str, seed: int) -> dict:
     print(f"{'PP':>3} {'virt':>4} {'channel MB':>10} {'schedule MB':>11} {'ratio':>6} {'bubble m=16':>11}")
     for pp in (2, 4, 8):
         for virtual in (1, 2):
-            r = tapchannel_overhead(4096, m["dim"], m["layers"], [1, 31, 60], pp, 16, None, virtual)
+            r = tapchannel_overhead(4096, m["dim"], m["layers"], [1, 31, 60], schedule=(pp, 16, virtual),
+                                    step_s=None)
             r.update(pp=pp, virtual=virtual, bubble=bubble_fraction(pp, 16, virtual))
             pp_rows.append(r)
             print(f"{pp:>3} {virtual:>4} {r['channel_bytes_per_mb'] / 1e6:>10.1f} {r['schedule_bytes_per_mb'] / 1e6:>11.1f} "
@@ -477,7 +478,7 @@ def main():
     if args.tapchannel:
         result["tapchannel"] = compare_tapchannel(expand(args.tapchannel))
     if args.out:
-        from _common import write_json
+        from bench._common import write_json
 
         write_json(args.out, result)
 

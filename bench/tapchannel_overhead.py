@@ -1,9 +1,9 @@
 """Cost of the TapChannel: pipeline co-training steps with it, against a twin without transport.
 
-    .venv/bin/python bench/tapchannel_overhead.py --nproc 2                 # CPU, gloo (spawns itself)
-    .venv/bin/python bench/tapchannel_overhead.py --nproc 2 --schedule Interleaved1F1B
+    .venv/bin/python -m bench.tapchannel_overhead --nproc 2                 # CPU, gloo (spawns itself)
+    .venv/bin/python -m bench.tapchannel_overhead --nproc 2 --schedule Interleaved1F1B
     # GPUs, NCCL, one GPU per rank (LOCAL_RANK), bf16; PP = 2 or 4; Interleaved1F1B needs layers >= 2 * PP:
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 4 bench/tapchannel_overhead.py \
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 4 -m bench.tapchannel_overhead \
         --schedule Interleaved1F1B --dim 2048 --layers 16 --heads 16 --vocab 32768 --seq 4096 \
         --out outputs/bench_tapchannel_overhead_pp4_interleaved.json
 
@@ -11,27 +11,25 @@
 built the same way, whose producer stages compute the same tap features but drop them, and whose
 draft stage reads the taps of the channel run from a local buffer filled before the step: the
 compute is identical, the transport is gone. Steps alternate A B A B after warm-up; a step's time
-is the slowest rank's (from a barrier to the end of the step, gradients included, no optimizer).
+is the slowest rank's, from a barrier to the end of the step (fresh gradients, forward, backward, no
+optimizer).
 The last line is `overhead_ratio <median channel step / median twin step>`.
 """
 import argparse
 import copy
-import json
 import os
 import socket
 import statistics
-import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import build_policy_from_args, environment, policy_model_args, synchronize  # noqa: E402
-from titan_draft import _compat  # noqa: E402
-from titan_draft.models.draft import EagleDraft, draft_args_for  # noqa: E402
-from titan_draft.parallel.pipeline import IGNORE, CoTrainSpec, build_pipeline_cotrain  # noqa: E402
+from bench._common import alternate, cast_parameters, environment, sized_model_args, write_json
+from titan_draft import _compat
+from titan_draft.cotrain import CoTrainSpec
+from titan_draft.models.draft import EagleDraft, draft_args_for
+from titan_draft.models.policy import policy_from_args
+from titan_draft.parallel.pipeline import IGNORE, PipelineSetup, build_pipeline_cotrain, split_policy
 
 
 def arg_parser() -> argparse.ArgumentParser:
@@ -56,15 +54,15 @@ def arg_parser() -> argparse.ArgumentParser:
 
 
 def build_models(args, seed: int = 0):
-    margs = policy_model_args("llama3", "tiny", args.seq, dim=args.dim, layers=args.layers, heads=args.heads,
-                              kv_heads=args.heads, vocab=args.vocab)
+    margs = sized_model_args("llama3", "tiny", args.seq, dim=args.dim, layers=args.layers, heads=args.heads,
+                             kv_heads=args.heads, vocab=args.vocab)
     dtype = getattr(torch, args.dtype or ("float32" if _compat.ON_CPU else "bfloat16"))
-    policy = build_policy_from_args(margs, seed).to(dtype)
+    policy = cast_parameters(policy_from_args(margs, seed), dtype)
     taps = args.tap_layers or sorted({1, args.layers // 2 - 1, args.layers - 1})
     with torch.device(_compat.device()):
         draft = EagleDraft(draft_args_for(margs, n_taps=len(taps)))
         draft.init_weights()
-    return policy, draft.to(dtype), CoTrainSpec(tap_layers=taps, ttt_steps=args.ttt_steps)
+    return policy, cast_parameters(draft, dtype), CoTrainSpec(tap_layers=taps, ttt_steps=args.ttt_steps)
 
 
 def random_batch(args, rows: int, seed: int = 1):
@@ -76,16 +74,16 @@ def random_batch(args, rows: int, seed: int = 1):
     return tokens.to(_compat.device()), labels.to(_compat.device())
 
 
-def build(args, policy, draft, spec, taps=True):
-    """The co-training pipeline on a (1, world) mesh: one pipeline over all ranks."""
+def build(args, policy, draft, spec):
+    """The co-training pipeline on a (1, world) mesh: one pipeline over all ranks, on copies of the models."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
     mesh = init_device_mesh(_compat.device().type, (1, world), mesh_dim_names=("dp", "pp"))
-    return build_pipeline_cotrain(copy.deepcopy(policy), copy.deepcopy(draft), spec, pp_mesh=mesh["pp"],
-                                  pipelines=mesh.mesh.tolist(), schedule=args.schedule,
-                                  n_microbatches=args.microbatches, microbatch_size=args.microbatch,
-                                  seq_len=args.seq, taps=taps)
+    setup = PipelineSetup(pp_mesh=mesh["pp"], pipelines=mesh.mesh.tolist(), schedule=args.schedule,
+                          n_microbatches=args.microbatches, microbatch_size=args.microbatch, seq_len=args.seq)
+    parts = split_policy(copy.deepcopy(policy), setup.pp_mesh, args.schedule)
+    return build_pipeline_cotrain(parts, copy.deepcopy(draft), spec, setup)
 
 
 class PrefilledTaps:
@@ -133,17 +131,14 @@ def recording_gets(channel):
     return received
 
 
-def timed_step(run, tokens, labels):
-    for stage in run.stages:
-        stage.submod.zero_grad(set_to_none=True)  # the policy part, and the draft on the last stage
-    dist.barrier()
-    synchronize(_compat.device())
-    start = time.perf_counter()
-    run.step(tokens, labels)
-    synchronize(_compat.device())
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=_compat.device())
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+def step_of(run, tokens, labels):
+    """One step of `run` from fresh gradients (the policy part, and the draft on the last stage)."""
+    def step():
+        for stage in run.stages:
+            stage.submod.zero_grad(set_to_none=True)
+        run.step(tokens, labels)
+
+    return step
 
 
 def main(args):
@@ -156,12 +151,9 @@ def main(args):
     del channel_run.channel.get  # back to the class's get: the measured steps record nothing
     twin = twin_of(build(args, policy, draft, spec), received)
 
-    times = {"channel": [], "twin": []}
-    for i in range(args.warmup + args.steps):
-        for name, run in (("channel", channel_run), ("twin", twin)):
-            t = timed_step(run, tokens, labels)
-            if i >= args.warmup:
-                times[name].append(t)
+    runs = {"channel": step_of(channel_run, tokens, labels), "twin": step_of(twin, tokens, labels)}
+    records = alternate(runs, args.warmup + args.steps, _compat.device(), dist.group.WORLD)
+    times = {name: [seconds for seconds, _ in timed[args.warmup:]] for name, timed in records.items()}
     if rank == 0:
         print(f"{'step':>4} {'channel ms':>11} {'twin ms':>9}")
         for i, (a, b) in enumerate(zip(times["channel"], times["twin"])):
@@ -173,12 +165,8 @@ def main(args):
               f"{args.seq} tokens, dim {args.dim}, {args.layers} layers, taps {spec.tap_layers}, "
               f"{dist.get_backend()})")
         print(f"overhead_ratio {ratio:.4f}")
-        if args.out:
-            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(dict(args=vars(args), **environment(), backend=dist.get_backend(),
-                               world_size=dist.get_world_size(), times_s=times, median_s=med,
-                               overhead_ratio=ratio), f, indent=1)
+        write_json(args.out, dict(args=vars(args), **environment(), backend=dist.get_backend(),
+                                  world_size=dist.get_world_size(), times_s=times, median_s=med, overhead_ratio=ratio))
 
 
 def _spawned(rank, world_size, port, args, entry):

@@ -1,21 +1,19 @@
 """A 1F1B step with the TapChannel beside it, drawn from real timestamps of one run.
 
-    .venv/bin/python bench/tapchannel_timeline.py          # PP=4 on CPU (gloo), 8 microbatches
+    .venv/bin/python -m bench.tapchannel_timeline          # PP=4 on CPU (gloo), 8 microbatches
 
 Records, on every rank, the schedule's forward and backward of each (stage, microbatch), the last
 stage's loss (policy + draft TTT), and the channel's puts (producers) and gets (draft stage),
 for the step after a warm-up step; draws them to docs/tapchannel_timeline.png and writes the
 events to --out. A line joins each put to the get that consumes it.
 """
-import json
 import os
-import sys
 import time
 
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tapchannel_overhead import arg_parser, build, build_models, launch, random_batch  # noqa: E402
+from bench._common import write_json
+from bench.tapchannel_overhead import arg_parser, build, build_models, launch, random_batch
 
 
 def timed(events, kind, stage, method):
@@ -107,8 +105,7 @@ def main(args):
                  f"{args.microbatch} x {args.seq} tokens, dim {args.dim} x {args.layers} layers, taps "
                  f"{spec.tap_layers}, CPU gloo: one step after warm-up")
         draw(gathered, run.stage_ranks, args.png, title)
-        with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), events=gathered), f)
+        write_json(args.out, dict(args=vars(args), events=gathered))
         step = max(e[4] for ev in gathered for e in ev) - min(e[3] for ev in gathered for e in ev)
         gets = [e[4] - e[3] for ev in gathered for e in ev if e[0] == "get"]
         puts = [e[4] - e[3] for ev in gathered for e in ev if e[0] == "put"]

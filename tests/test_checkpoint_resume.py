@@ -18,7 +18,7 @@ TINY = ["--job.config_file", os.path.join(ROOT, "train_configs", "sort_tiny_cpu.
         "--draft.warmup_steps", "2", "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.sft_batch_size", "16",
         "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "1",
         "--metrics.no-enable-tensorboard"]
-TIMING = {"rollout_time_s", "rollout_tokens_per_s", "train_time_s"}
+TIMING = {"rollout_time_s", "rollout_tokens_per_s", "train_time_s", "draft_time_s"}
 
 
 PIPELINE = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "4"]

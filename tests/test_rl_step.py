@@ -26,7 +26,7 @@ TINY = ["--job.config_file", os.path.join(ROOT, "train_configs", "sort_tiny_cpu.
         "--rl.sft_batch_size", "16", "--draft.warmup_steps", "3", "--rl.prompts_per_step", "4",
         "--rl.group_size", "4", "--training.steps", "3"]
 # Wall-clock measurements: the only metrics allowed to differ between two runs with one seed.
-TIME_KEYS = {"rollout_time_s", "train_time_s", "rollout_tokens_per_s"}
+TIME_KEYS = {"rollout_time_s", "train_time_s", "draft_time_s", "rollout_tokens_per_s"}
 MODES = ("cotrain", "frozen", "none")
 
 
@@ -76,6 +76,9 @@ def test_policy_update_is_the_same_in_every_draft_mode(tmp_path):
     assert not same(after["cotrain"][1], draft_before)  # co-training moved it
     assert after["frozen"][2]["draft_loss"] == after["cotrain"][2]["draft_loss"]  # same forward, before the update
     assert "draft_loss" not in after["none"][2]
+    for mode in ("cotrain", "frozen"):  # the draft's part of the step is timed, and is a part of it
+        assert 0 < after[mode][2]["draft_time_s"] < after[mode][2]["train_time_s"], mode
+    assert "draft_time_s" not in after["none"][2]
     metrics.close()
 
 

@@ -1,16 +1,11 @@
 """The scaling model's formulas against counted quantities (docs/scaling_model.md)."""
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import scaling_model as sm  # noqa: E402
-from cp_attention import zigzag_work  # noqa: E402
-
-from titan_draft.packing import cu_seqlens_from_lengths  # noqa: E402
-from titan_draft.parallel import ZigzagLayout  # noqa: E402
+from bench import scaling_model as sm
+from bench.cp_attention import zigzag_work
+from titan_draft.packing import cu_seqlens_from_lengths
+from titan_draft.parallel import ZigzagLayout
 
 LENGTHS = [7, 13, 1, 40, 5, 22]
 
@@ -53,6 +48,6 @@ def test_pipeline_formulas():
     assert sm.tap_stages(8, [1, 3, 7], 2) == [2, 1]
     assert sm.tap_stages(8, [1, 3, 7], 2, virtual=2) == [1, 1, 0, 1]
     # stage 0 sends embeddings + its taps; the last stage's taps stay local
-    model = sm.tapchannel_overhead(256, 64, 8, [1, 3, 7], 2, 4, None)
+    model = sm.tapchannel_overhead(256, 64, 8, [1, 3, 7], schedule=(2, 4, 1), step_s=None)
     assert model["channel_bytes_per_mb"] == 256 * 64 * 3 * 2
     assert model["schedule_bytes_per_mb"] == 2 * 256 * 64 * 2

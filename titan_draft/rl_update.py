@@ -8,6 +8,7 @@ same surface, which is all train.train_step uses:
   rollout_weights(draft)    (policy, draft) to refresh the rollout engine from
   checkpoint_states()       what the job's checkpoint tracks in RL
   holds_draft               whether the draft trains on this rank
+  draft_timer               the device time of the draft's part of the step (train_step's draft_time_s)
 """
 import copy
 
@@ -20,6 +21,7 @@ from titan_draft.models.policy import TapRecorder, forward_packed, job_model_arg
 from titan_draft.parallel.context_parallel import apply_context_parallel, shard_batch_for_cp
 from titan_draft.parallel.parallelize import cp_mesh, loss_group, loss_scale, parallelize_policy, sum_over_dp
 from titan_draft.step import RolloutBatch, StepSums
+from titan_draft.timing import DeviceTimer
 from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.components.optimizer import OptimizersContainer
 
@@ -49,6 +51,7 @@ class WholePolicy:
                 apply_context_parallel(model, self.cp_mesh, cfg.draft.cp_mode)
         self.parts, self.reference_parts = [policy], [reference.requires_grad_(False)]
         self.optimizer = policy_optimizer(self.parts, cfg.rl)
+        self.draft_timer = DeviceTimer(job.device)  # the draft's forward, backward (and train_step's draft step)
 
     def forward_backward(self, rollouts: RolloutBatch) -> StepSums:
         """One policy forward (GRPO loss; taps and logits for the draft), the reference's forward, the
@@ -73,11 +76,12 @@ class WholePolicy:
 
         per_pass, total = torch.zeros(0, 3, device=device), torch.zeros((), device=device)
         if mode != "none":
-            with self.amp, torch.set_grad_enabled(mode == "cotrain"):
-                total, per_pass = draft_loss(self.draft, taps.embeddings(), taps.taps(), logits, batch, self.spec,
-                                             group=loss_group(self.dims))
-            if mode == "cotrain":
-                (loss_scale(self.dims) * self.spec.loss_weight * total).backward()
+            with self.draft_timer():
+                with self.amp, torch.set_grad_enabled(mode == "cotrain"):
+                    total, per_pass = draft_loss(self.draft, taps.embeddings(), taps.taps(), logits, batch,
+                                                 self.spec, group=loss_group(self.dims))
+                if mode == "cotrain":
+                    (loss_scale(self.dims) * self.spec.loss_weight * total).backward()
         policy_sums = torch.cat([sum_over_dp(sums, self.dims, "loss"), num_tokens[None]])
         return StepSums(policy_sums.double(), per_pass, sum_over_dp(total.detach(), self.dims, "loss"))
 

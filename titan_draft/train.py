@@ -149,12 +149,15 @@ def train_step(s: RLState, r: Rollouts) -> dict:
         s.policy_skips_in_a_row += 1
     s.policy.optimizer.zero_grad(set_to_none=True)
     if cfg.draft.mode == "cotrain":
-        s.draft_opt.step(sums.draft_loss)  # the same total on every rank: all skip together
+        with s.policy.draft_timer():
+            s.draft_opt.step(sums.draft_loss)  # the same total on every rank: all skip together
 
     with torch.no_grad():
         reward_sum, num_samples = sum_over_dp(torch.stack([rewards.sum(), torch.tensor(float(len(rewards)))])
                                               .to(job.device), job.dims).tolist()
     draft = sums.draft_metrics()
+    if cfg.draft.mode != "none":  # the draft's share of train_time_s (its forward, backward and step)
+        draft["draft_time_s"] = s.policy.draft_timer.pop_seconds()
     if cfg.draft.mode == "cotrain":
         draft["draft_updates_skipped"] = s.draft_opt.skipped
     metrics = {"reward_mean": reward_sum / num_samples, **draft, **sums.policy_metrics(),

@@ -39,9 +39,9 @@ from titan_draft.parallel.pipeline import (
 )
 from titan_draft.rl_update import policy_optimizer
 from titan_draft.step import RolloutBatch, StepSums
+from titan_draft.timing import DeviceTimer
 from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.distributed.utils import clip_grad_norm_
 
 
 def pipeline_replicas(dims) -> list[list[int]]:
@@ -103,6 +103,9 @@ class PipelinedPolicy:
         self.parts = self._split(weights)
         self.reference_parts = [part.requires_grad_(False) for part in self._split(weights)]
         self.optimizer = policy_optimizer(self.parts, cfg.rl)
+        # The draft's forward and backward run inside the schedule, between the policy's: this times
+        # only train_step's draft optimizer step.
+        self.draft_timer = DeviceTimer(_compat.device())
         self.width = self.train = self.reference = None
 
     def _split(self, weights: dict[str, torch.Tensor]) -> list[nn.Module]:

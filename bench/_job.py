@@ -1,0 +1,46 @@
+"""The job side of the RL drivers (rl_step, rollout_speedup): a job config from a TOML of
+train_configs/ plus overrides, and a job built and warm-started by the library's own functions
+(titan_draft.job.build_job + warm_start), exactly as train.py starts one."""
+import os
+import time
+
+from bench._common import REPO_ROOT
+from titan_draft.config import parse_config, validate
+from titan_draft.cotrain import DraftOptimizer
+from titan_draft.job import Job, build_job, warm_start
+from titan_draft.metrics import MetricsLogger
+
+def add_job_arguments(parser, presets: dict, default: str) -> None:
+    """--preset (a TOML of train_configs/, overrides, the bench's own settings), --config, and job config
+    overrides after --."""
+    parser.add_argument("--preset", choices=sorted(presets), default=default)
+    parser.add_argument("--config", help="job TOML (default: the preset's)")
+    parser.add_argument("overrides", nargs="*", help="job config overrides after --, e.g. -- --rl.sft_steps 100")
+
+
+def resolve_preset(args, presets: dict) -> dict:
+    """The chosen preset; fills args.config (default: the preset's TOML) and args.overrides (the
+    preset's, then the command line's: the last one of a key wins)."""
+    preset = presets[args.preset]
+    args.config = args.config or os.path.join(REPO_ROOT, preset["config"])
+    args.overrides = [*preset.get("overrides", []), *args.overrides]
+    return preset
+
+
+def job_config(config_file: str, overrides: list[str]):
+    """The job config of `config_file` with command-line style overrides, checked as train.py checks it."""
+    cfg = parse_config(["--job.config_file", config_file, *overrides])
+    validate(cfg, 1)
+    return cfg
+
+
+def warm_started_job(cfg, dump_folder: str) -> tuple[Job, DraftOptimizer, float]:
+    """(job, draft optimizer, seconds of the warm start): the job's SFT and draft warm-up, logging to
+    `dump_folder`. The draft always warms up ([draft] mode none would skip it): the drivers compare
+    speculation on and off from one trained state."""
+    cfg.draft.mode = "cotrain"
+    job = build_job(cfg, MetricsLogger(dump_folder, tensorboard=False))
+    draft_opt = DraftOptimizer(job.draft, cfg.draft)
+    start = time.perf_counter()
+    warm_start(job, draft_opt)
+    return job, draft_opt, time.perf_counter() - start

@@ -1,0 +1,62 @@
+"""The RL benches run end to end on CPU at tiny sizes (python -m bench.<name>, as a user runs them) and
+write the JSON their README tables are made from:
+(a) bench.rl_step --preset tiny: none / frozen / cotrain side by side from one warm-started state;
+(b) bench.rollout_speedup --preset smoke: plain, every fixed K and adaptive K per batch size.
+"""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(module: str, *args: str, timeout: int = 600) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")  # tiny models: one thread does not crawl when other processes share the cores
+    done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_rl_step_bench_compares_the_draft_modes_from_one_state(tmp_path):
+    out = tmp_path / "rl_step.json"
+    run_bench("bench.rl_step", "--preset", "tiny", "--out", str(out))
+    report = json.loads(out.read_text())
+    modes = ("none", "frozen", "cotrain")
+    assert tuple(report["table"]) == modes
+    rewards = report["reward_per_step"]
+    assert all(len(rewards[mode]) == report["skip"] + report["table"][mode]["steps"] for mode in modes)
+    # Frozen and cotrain share the first step's draft, prompts and random numbers: the same rollouts. A mode
+    # that did not get its own copy of the warm-started state and data streams would differ here.
+    assert rewards["frozen"][0] == rewards["cotrain"][0]
+    assert report["steps"]["frozen"][0]["acceptance_length"] == report["steps"]["cotrain"][0]["acceptance_length"]
+    assert report["steps"]["none"][0]["acceptance_length"] == 1.0  # no draft
+    table = report["table"]
+    assert table["none"]["draft_s"] == 0
+    for mode in ("frozen", "cotrain"):
+        assert 0 < table[mode]["draft_share_of_train"] < 1
+        assert report["speedups"][f"step_none_over_{mode}"] == table["none"]["step_s"] / table[mode]["step_s"]
+    for record in report["steps"]["cotrain"]:
+        assert record["rollout_s"] + record["train_s"] <= record["step_s"]  # the step timing holds both parts
+
+
+def test_rollout_speedup_bench_smoke(tmp_path):
+    out = tmp_path / "rollout_speedup.json"
+    run_bench("bench.rollout_speedup", "--preset", "smoke", "--out", str(out))
+    report = json.loads(out.read_text())
+    k_max = report["k_max"]
+    assert [row["batch"] for row in report["rows"]] == [1, 4]
+    for row in report["rows"]:
+        fixed = {int(k): v for k, v in row["fixed_k_tok_s"].items()}
+        assert sorted(fixed) == list(range(1, k_max + 1))
+        assert fixed[row["best_fixed_k"]] == max(fixed.values())
+        assert row["adaptive_over_plain"] == row["adaptive_tok_s"] / row["plain_tok_s"]
+        assert row["adaptive_over_best_fixed"] == row["adaptive_tok_s"] / max(fixed.values())
+        columns = row["columns"]
+        assert columns["plain"]["acceptance_length"] == 1.0
+        assert len(columns["plain"]["steps_per_k"]) == 1  # every step K = 0
+        fixed_steps = columns[f"K={k_max}"]["steps_per_k"]
+        assert fixed_steps[:k_max] == [0] * k_max and fixed_steps[k_max] > 0  # every step K = K_max
+        assert all(c["generated_tokens"] >= row["batch"] for c in columns.values())
+        assert sorted(int(k) for k in row["step_parts_s"]["verify"]) == list(range(k_max + 1))
