@@ -130,8 +130,8 @@ def assert_greedy_equal(engine, hf, prompts: list[torch.Tensor], max_new_tokens:
 
 @torch.no_grad()
 def test_engine_greedy_rollouts_equal_transformers_generate(checkpoint, problems):
-    """Prompts of one length in one batch for now; once the engine takes prompts of different
-    lengths, call assert_greedy_equal on such a batch too."""
+    """Prompts of one length in one batch, and prompts of different lengths in one batch (each row
+    its own positions, its own eos; no padding seen): token for token what transformers generates."""
     name, folder = checkpoint
     args, policy, tokenizer = job_policy(name, folder)
     hf = transformers_model(folder)
@@ -139,10 +139,13 @@ def test_engine_greedy_rollouts_equal_transformers_generate(checkpoint, problems
     lengths = [len(p) for p in encoded]
     same_length = [p for p in encoded if len(p) == max(lengths, key=lengths.count)][:3]
     assert len(same_length) == 3
+    mixed = sorted({len(p): p for p in encoded}.values(), key=len)[:4]  # four different lengths
+    assert len({len(p) for p in mixed}) == 4
     max_new = 20
-    engine = RolloutEngine(args, None, [0], len(same_length), max(lengths) + max_new, "cpu", torch.float32)
+    engine = RolloutEngine(args, None, [0], 4, max(lengths) + max_new, "cpu", torch.float32)
     engine.load_weights(policy)
     assert_greedy_equal(engine, hf, same_length, max_new)
+    assert_greedy_equal(engine, hf, mixed, max_new)
 
 
 def test_sharded_checkpoint_loads_like_the_single_file(tmp_path, problems):
