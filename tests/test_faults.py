@@ -66,9 +66,9 @@ def test_diverging_job_exits_3_with_one_line_and_keeps_finite_checkpoints(tmp_pa
     from titan_draft.models import build_models
 
     _, policy, _, _ = build_models(parse_config(argv), torch.device("cpu"))
-    state = {"model": policy.state_dict()}
+    state = policy.state_dict()  # torchtitan keeps the model's entries at the top level
     load(state, checkpoint_id=str(tmp_path / "checkpoint" / f"step-{max(saved)}"))
-    assert all(torch.isfinite(t).all() for t in state["model"].values())
+    assert all(torch.isfinite(t).all() for t in state.values())
 
 
 def test_draft_restored_after_repeated_non_finite_losses():
