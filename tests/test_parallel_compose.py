@@ -172,15 +172,15 @@ def _pipeline_worker(rank, world_size, argv):
     the names that differ from this rank's own updated parts and draft (none, if the gather is exact)."""
     from torch.distributed.tensor import DTensor
 
-    from titan_draft.parallel.pipeline_rl import full_state
+    from titan_draft.io import full_state_dict
 
     metrics, grads, state = cotrain_step(argv, dims_from_world=True, return_state=True)
     state.engine.load_weights(*state.policy.rollout_weights(with_draft=True))
     own = {}
     for part in state.policy.parts:
-        own.update({f"policy.{k}": v for k, v in full_state(part).items()})
+        own.update({f"policy.{k}": v for k, v in full_state_dict(part, every_rank=True).items()})
     if state.policy.holds_draft:
-        own.update({f"draft.{k}": v for k, v in full_state(state.job.draft).items()})
+        own.update({f"draft.{k}": v for k, v in full_state_dict(state.job.draft, every_rank=True).items()})
     engine = {**{f"policy.{k}": v for k, v in state.engine.policy.state_dict().items()},
               **{f"draft.{k}": v for k, v in state.engine.draft.state_dict().items()}}
     differ = [name for name, value in own.items() if not torch.equal(engine[name], value)]

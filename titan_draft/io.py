@@ -43,9 +43,11 @@ def atomic_directory(path: str):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded CPU state dict on rank 0 (empty elsewhere); a collective on sharded models."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_state_dict(model: torch.nn.Module, *, every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """The unsharded state dict (a collective on sharded models): on rank 0 only, in CPU memory, for
+    writing files; or, with every_rank, on every rank's device (to hand weights on to other ranks)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank)
+    return get_model_state_dict(model, options=options)
 
 
 def read_json(path: str, key: str) -> dict:

@@ -20,10 +20,10 @@ the pipelined twin of rl_update.WholePolicy (the same surface; train.train_step 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
 from titan_draft import _compat
+from titan_draft.io import full_state_dict
 from titan_draft.models.policy import job_model_args, policy_from_args
 from titan_draft.parallel.context_parallel import apply_context_parallel
 from titan_draft.parallel.parallelize import cp_mesh, loss_group, loss_scale, parallelize_policy
@@ -48,11 +48,6 @@ def pipeline_replicas(dims) -> list[list[int]]:
     """Global ranks of every pipeline (one per non-pp coordinate), in pp order: pp is the outermost
     dimension of torchtitan's world mesh."""
     return torch.arange(dims.world_size).view(dims.pp, -1).T.tolist()
-
-
-def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded state dict (a collective over the module's FSDP/TP meshes)."""
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
 
 
 def all_gather_state(local: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
@@ -97,7 +92,7 @@ class PipelinedPolicy:
         self.cfg, self.draft, self.spec, self.dims = cfg, job.draft, job.spec, dims
         self.pp_mesh = dims.get_mesh("pp")
         self.schedule = cfg.parallelism.pipeline_parallel_schedule
-        weights = full_state(job.policy)
+        weights = full_state_dict(job.policy, every_rank=True)
         # The structure only (meta), which split_policy copies into stage parts.
         self.skeleton = policy_from_args(job_model_args(cfg), device="meta")
         self.parts = self._split(weights)
@@ -184,11 +179,12 @@ class PipelinedPolicy:
         group = self.pp_mesh.get_group()
         local = {}
         for part in self.parts:
-            local.update(full_state(part))
+            local.update(full_state_dict(part, every_rank=True))
         policy = Weights(all_gather_state(local, group))
         if not with_draft:
             return policy, None
-        return policy, Weights(all_gather_state(full_state(self.draft) if self.holds_draft else {}, group))
+        return policy, Weights(all_gather_state(full_state_dict(self.draft, every_rank=True) if self.holds_draft else {},
+                                                 group))
 
     @property
     def holds_draft(self) -> bool:
