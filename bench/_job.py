@@ -2,13 +2,13 @@
 train_configs/ plus overrides, and a job built and warm-started by the library's own functions
 (titan_draft.job.build_job + warm_start), exactly as train.py starts one."""
 import os
-import time
 
-from bench._common import REPO_ROOT
+from bench._common import REPO_ROOT, timed
 from titan_draft.config import parse_config, validate
 from titan_draft.cotrain import DraftOptimizer
 from titan_draft.job import Job, build_job, warm_start
 from titan_draft.metrics import MetricsLogger
+
 
 def add_job_arguments(parser, presets: dict, default: str) -> None:
     """--preset (a TOML of train_configs/, overrides, the bench's own settings), --config, and job config
@@ -41,6 +41,5 @@ def warm_started_job(cfg, dump_folder: str) -> tuple[Job, DraftOptimizer, float]
     cfg.draft.mode = "cotrain"
     job = build_job(cfg, MetricsLogger(dump_folder, tensorboard=False))
     draft_opt = DraftOptimizer(job.draft, cfg.draft)
-    start = time.perf_counter()
-    warm_start(job, draft_opt)
-    return job, draft_opt, time.perf_counter() - start
+    seconds, _ = timed(lambda: warm_start(job, draft_opt), job.device)
+    return job, draft_opt, seconds

@@ -5,6 +5,7 @@
 (c) notebooks/acceptance_vs_step.ipynb executes on the runs of (b) and its outputs carry their numbers.
 """
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -63,9 +64,11 @@ def test_policy_update_is_the_same_in_every_draft_mode(tmp_path):
 
     policy_before, draft_before = params(policy), params(draft)
     after = {}
-    for mode in MODES:
-        s = copy.deepcopy(state)
-        s.cfg.draft.mode = mode
+    for mode in MODES:  # a fresh state per mode on copies of the models (torchtitan's optimizers do not deep-copy)
+        mode_cfg = copy.deepcopy(cfg)
+        mode_cfg.draft.mode = mode
+        mode_policy, mode_draft, mode_opt = copy.deepcopy((policy, draft, state.draft_opt))
+        s = RLState.create(dataclasses.replace(job, cfg=mode_cfg, policy=mode_policy, draft=mode_draft), mode_opt)
         stats = train_step(s, copy.deepcopy(rollouts))
         after[mode] = params(s.policy.parts[0]), params(s.job.draft), stats
     assert not same(after["cotrain"][0], policy_before)  # the policy did move
