@@ -154,6 +154,27 @@ def test_draft_inference_equals_training_time_test():
         torch.testing.assert_close(hidden, states[k - 1][rows, anchor], rtol=0, atol=1e-10)
 
 
+def test_draft_state_after_prefill_and_stage_flush_equals_training_time_test():
+    """From prompts of different lengths: after prefill, the draft's pass-1 hidden state is
+    ttt_forward's at each row's last prompt anchor p_b - 1; after K = 0 steps that staged their
+    taps, the flush brings it to the last anchor whose next token is known."""
+    policy, draft, engine = make(compact=False, max_speculative_tokens=3)
+    engine.controller = ScheduledK([0])
+    prompts = variable_prompts([5, 2, 7], seed=12)
+    for new_tokens in (1, 4):
+        out = engine.generate(prompts, new_tokens, num_speculative_tokens=3, adaptive=True, eos_id=NEVER,
+                              generator=torch.Generator().manual_seed(new_tokens))
+        assert out.steps_per_k.tolist() == [new_tokens - 1, 0, 0, 0]
+        if new_tokens > 1:
+            engine._flush_staged(len(prompts))
+        seqs = [out.tokens[b, : len(p) + new_tokens] for b, p in enumerate(prompts)]
+        _, ref_taps, ref_emb, batch = reference_logits(policy, seqs)
+        with torch.no_grad():
+            (states,) = draft.ttt_forward(ref_emb, ref_taps, batch.positions, 1, *local_draft_inputs(batch))
+        last_anchor = batch.cu_seqlens[1:].long() - 2  # the last token of each row has no next token
+        torch.testing.assert_close(engine._hidden[: len(prompts)], states[last_anchor], rtol=0, atol=1e-10)
+
+
 def reference_greedy(policy, prompt, max_new_tokens, eos_id):
     """Plain greedy decoding: a full uncached torchtitan forward per token."""
     seq = prompt.clone()
@@ -319,7 +340,7 @@ def test_sampled_speculative_generation_is_lossless(mode):
     policy, _, engine = make(max_batch_size=2000, max_speculative_tokens=3)
     if schedule:
         engine.controller = ScheduledK(schedule)
-    prompts = [torch.tensor([1, 7, 9, 4, 12]), torch.tensor([3, 30, 2, 17, 5, 5, 11, 8])]
+    prompts = [torch.tensor([1, 7, 9, 12, 4]), torch.tensor([3, 30, 2, 17, 5, 5, 11, 8])]
     n, depth, eos_id = 1000, 3, 12
     out = engine.generate([prompts[b % 2] for b in range(2 * n)], 4, temperature=0.8, top_p=0.9, eos_id=eos_id,
                           generator=torch.Generator(DEVICE).manual_seed(6), adaptive=adaptive, **mode)
