@@ -9,8 +9,8 @@ from titan_draft.cotrain import local_draft_inputs
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.packing import pack
-from titan_draft.rollout import RolloutEngine, probs_from_logits
-from titan_draft.rollout.engine import GoodputController, StepShape
+from titan_draft.rollout import GoodputController, RolloutEngine, probs_from_logits
+from titan_draft.rollout.engine import StepShape
 
 DEVICE = _compat.device()  # the engine runs where the policy does: the CUDA path on a GPU machine
 
@@ -497,6 +497,7 @@ def test_bad_inputs():
         (dict(prompts=torch.ones(2, MAX_LEN, dtype=torch.long)), "max_seq_len"),
         (dict(prompts=prompts.int()), "int64"),
         (dict(prompts=[torch.ones(3, dtype=torch.long), torch.ones(0, dtype=torch.long)]), "non-empty"),
+        (dict(prompts=[]), "empty list"),
         (dict(prompts=[torch.ones(3, dtype=torch.long), torch.ones(MAX_LEN, dtype=torch.long)]), "max_seq_len"),
         (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
         (dict(num_speculative_tokens=99), "num_speculative_tokens"),

@@ -1,5 +1,5 @@
 """Speculative rollouts: the acceptance rule and the KV-cached EAGLE-3 engine."""
-from titan_draft.rollout.engine import RolloutEngine, RolloutResult
+from titan_draft.rollout.engine import GoodputController, RolloutEngine, RolloutResult
 from titan_draft.rollout.sampling import probs_from_logits, sample, speculative_accept
 
-__all__ = ["RolloutEngine", "RolloutResult", "probs_from_logits", "sample", "speculative_accept"]
+__all__ = ["GoodputController", "RolloutEngine", "RolloutResult", "probs_from_logits", "sample", "speculative_accept"]
