@@ -187,7 +187,8 @@ def reference_greedy(policy, prompt, max_new_tokens, eos_id):
 
 
 GREEDY_MODES = [dict(num_speculative_tokens=0), dict(num_speculative_tokens=2), dict(num_speculative_tokens=5),
-                dict(num_speculative_tokens=3, adaptive=True), dict(num_speculative_tokens=3, schedule=[2, 0, 0, 0, 0, 0, 3, 1, 0])]
+                dict(num_speculative_tokens=3, adaptive=True),
+                dict(num_speculative_tokens=3, schedule=[2, 0, 0, 0, 0, 0, 3, 1, 0])]
 
 
 @pytest.mark.parametrize("mode", GREEDY_MODES, ids=["plain", "K2", "K5", "adaptive", "K_schedule"])
@@ -276,7 +277,8 @@ def test_caches_after_rollback_equal_fresh_prefill(schedule):
         length = len(prompt) + N  # no eos: every row ran to its budget
         for layer in range(len(engine.k_cache)):
             for cache, ref in ((engine.k_cache, fresh.k_cache), (engine.v_cache, fresh.v_cache)):
-                torch.testing.assert_close(cache[layer][b, : length - 1], ref[layer][b, : length - 1], rtol=0, atol=1e-10)
+                torch.testing.assert_close(cache[layer][b, : length - 1], ref[layer][b, : length - 1],
+                                           rtol=0, atol=1e-10)
         # The last verify step of a row starts at most K + 1 tokens before its end; the trunk holds
         # every anchor before that step's first position, but for up to max_k + 1 staged K = 0 steps.
         known = length - 1 - (K + 1) - (K + 1 if schedule else 0)

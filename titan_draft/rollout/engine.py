@@ -23,7 +23,8 @@ Finished rows stop costing compute: row state lives in slots. When the running r
 bucket (power of two), they are gathered to the front of every slot buffer (caches, tokens,
 lengths, ...), the finished rows' outputs having been saved first, and later steps run on the
 bucket; `_row_of_slot` maps slots to rows. Random numbers are drawn at the call's full batch shape
-and indexed by that map (`RowNoise`), so a row samples the same tokens with or without compaction.
+and indexed by that map (`RowNoise`), so a row samples the same tokens with or without compaction
+(the draws keep their full-batch cost; the model work shrinks).
 
 Adaptive K (`generate(adaptive=True)`): before each step `GoodputController` picks the number of
 drafts 0..K with the most expected tokens per second at the current bucket, from online acceptance
