@@ -8,8 +8,8 @@ from titan_draft import _compat
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.packing import pack
-from titan_draft.rollout import EngineOptions, RolloutEngine, probs_from_logits
-from titan_draft.rollout.engine import GoodputController, StepShape
+from titan_draft.rollout import EngineOptions, GoodputController, RolloutEngine, probs_from_logits
+from titan_draft.rollout.engine import StepShape
 
 DEVICE = _compat.device()  # the engine runs where the policy does: the CUDA path on a GPU machine
 
@@ -153,6 +153,27 @@ def test_draft_inference_equals_training_time_test():
         torch.testing.assert_close(hidden, states[k - 1][rows, anchor], rtol=0, atol=1e-10)
 
 
+def test_draft_state_after_prefill_and_stage_flush_equals_training_time_test():
+    """From prompts of different lengths: after prefill, the draft's pass-1 hidden state is
+    ttt_forward's at each row's last prompt anchor p_b - 1; after K = 0 steps that staged their
+    taps, the flush brings it to the last anchor whose next token is known."""
+    policy, draft, engine = make(compact=False, max_speculative_tokens=3)
+    engine.controller = ScheduledK([0])
+    prompts = variable_prompts([5, 2, 7], seed=12)
+    for new_tokens in (1, 4):
+        out = engine.generate(prompts, new_tokens, num_speculative_tokens=3, adaptive=True, eos_id=NEVER,
+                              generator=torch.Generator().manual_seed(new_tokens))
+        assert out.steps_per_k.tolist() == [new_tokens - 1, 0, 0, 0]
+        if new_tokens > 1:
+            engine._flush_staged(len(prompts))
+        seqs = [out.tokens[b, : len(p) + new_tokens] for b, p in enumerate(prompts)]
+        _, ref_taps, ref_emb, batch = reference_logits(policy, seqs)
+        with torch.no_grad():
+            (states,) = draft.ttt_forward(ref_emb, ref_taps, batch.positions, 1, batch.shift(1), batch.draft_attention)
+        last_anchor = batch.cu_seqlens[1:].long() - 2  # the last token of each row has no next token
+        torch.testing.assert_close(engine._hidden[: len(prompts)], states[last_anchor], rtol=0, atol=1e-10)
+
+
 def reference_greedy(policy, prompt, max_new_tokens, eos_id):
     """Plain greedy decoding: a full uncached torchtitan forward per token."""
     seq = prompt.clone()
@@ -165,7 +186,8 @@ def reference_greedy(policy, prompt, max_new_tokens, eos_id):
 
 
 GREEDY_MODES = [dict(num_speculative_tokens=0), dict(num_speculative_tokens=2), dict(num_speculative_tokens=5),
-                dict(num_speculative_tokens=3, adaptive=True), dict(num_speculative_tokens=3, schedule=[2, 0, 0, 0, 0, 0, 3, 1, 0])]
+                dict(num_speculative_tokens=3, adaptive=True),
+                dict(num_speculative_tokens=3, schedule=[2, 0, 0, 0, 0, 0, 3, 1, 0])]
 
 
 @pytest.mark.parametrize("mode", GREEDY_MODES, ids=["plain", "K2", "K5", "adaptive", "K_schedule"])
@@ -254,7 +276,8 @@ def test_caches_after_rollback_equal_fresh_prefill(schedule):
         length = len(prompt) + N  # no eos: every row ran to its budget
         for layer in range(len(engine.k_cache)):
             for cache, ref in ((engine.k_cache, fresh.k_cache), (engine.v_cache, fresh.v_cache)):
-                torch.testing.assert_close(cache[layer][b, : length - 1], ref[layer][b, : length - 1], rtol=0, atol=1e-10)
+                torch.testing.assert_close(cache[layer][b, : length - 1], ref[layer][b, : length - 1],
+                                           rtol=0, atol=1e-10)
         # The last verify step of a row starts at most K + 1 tokens before its end; the trunk holds
         # every anchor before that step's first position, but for up to max_k + 1 staged K = 0 steps.
         known = length - 1 - (K + 1) - (K + 1 if schedule else 0)
@@ -318,7 +341,7 @@ def test_sampled_speculative_generation_is_lossless(mode):
     policy, _, engine = make(max_batch_size=2000, max_speculative_tokens=3)
     if schedule:
         engine.controller = ScheduledK(schedule)
-    prompts = [torch.tensor([1, 7, 9, 4, 12]), torch.tensor([3, 30, 2, 17, 5, 5, 11, 8])]
+    prompts = [torch.tensor([1, 7, 9, 12, 4]), torch.tensor([3, 30, 2, 17, 5, 5, 11, 8])]
     n, depth, eos_id = 1000, 3, 12
     out = engine.generate([prompts[b % 2] for b in range(2 * n)], 4, temperature=0.8, top_p=0.9, eos_id=eos_id,
                           generator=torch.Generator(DEVICE).manual_seed(6), adaptive=adaptive, **mode)
@@ -475,6 +498,7 @@ def test_bad_inputs():
         (dict(prompts=torch.ones(2, MAX_LEN, dtype=torch.long)), "max_seq_len"),
         (dict(prompts=prompts.int()), "int64"),
         (dict(prompts=[torch.ones(3, dtype=torch.long), torch.ones(0, dtype=torch.long)]), "non-empty"),
+        (dict(prompts=[]), "empty list"),
         (dict(prompts=[torch.ones(3, dtype=torch.long), torch.ones(MAX_LEN, dtype=torch.long)]), "max_seq_len"),
         (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
         (dict(num_speculative_tokens=99), "num_speculative_tokens"),

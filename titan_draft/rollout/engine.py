@@ -23,7 +23,8 @@ Finished rows stop costing compute: row state lives in slots. When the running r
 bucket (power of two), they are gathered to the front of every slot buffer (caches, tokens,
 lengths, ...), the finished rows' outputs having been saved first, and later steps run on the
 bucket; `_row_of_slot` maps slots to rows. Random numbers are drawn at the call's full batch shape
-and indexed by that map (`RowNoise`), so a row samples the same tokens with or without compaction.
+and indexed by that map (`RowNoise`), so a row samples the same tokens with or without compaction
+(the draws keep their full-batch cost; the model work shrinks).
 
 Adaptive K (`generate(adaptive=True)`): before each step `GoodputController` picks the number of
 drafts 0..K with the most expected tokens per second at the current bucket, from online acceptance
@@ -490,18 +491,20 @@ class RolloutEngine:
                 raise ValueError(f"prompts must be an int64 [B, P] tensor or a list of 1-D int64 tensors, "
                                  f"got {prompts.dtype} {tuple(prompts.shape)}")
             return prompts.to(self.device), torch.full((len(prompts),), prompts.shape[1], dtype=torch.long)
+        if not prompts:
+            raise ValueError("prompts: an empty list; pass at least one prompt")
         bad = [i for i, p in enumerate(prompts) if p.dim() != 1 or p.dtype != torch.int64 or len(p) == 0]
-        if bad or not prompts:
-            raise ValueError(f"prompts: a list must hold non-empty 1-D int64 tensors (row {bad[:1] or 'none'} "
-                             "is not); pass token ids")
+        if bad:
+            raise ValueError(f"prompts: row {bad[0]} is not a non-empty 1-D int64 tensor of token ids")
         padded = torch.nn.utils.rnn.pad_sequence(list(prompts), batch_first=True, padding_value=eos_id)
         return padded.to(self.device), torch.tensor([len(p) for p in prompts], dtype=torch.long)
 
     def _check(self, prompt_lengths, max_new_tokens, K, temperature, top_p):
-        B, P = len(prompt_lengths), int(prompt_lengths.max())
+        B = len(prompt_lengths)
         if not 1 <= B <= self.max_batch_size:
             raise ValueError(f"prompts: batch of {B} rows, but the engine holds 1..{self.max_batch_size} "
                              "(max_batch_size); split the batch or build a larger engine")
+        P = int(prompt_lengths.max())
         if P < 1 or max_new_tokens < 1 or P + max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompts: longest P = {P} + max_new_tokens = {max_new_tokens} must be within "
                              f"1..max_seq_len = {self.max_seq_len}; shorten them or build a larger engine")
@@ -620,7 +623,9 @@ class RolloutEngine:
         self._num_staged.zero_()
 
     def _bucket(self, running: int, B: int) -> int:
-        """Slots to run `running` rows in: the smallest power of two that holds them (at most B)."""
+        """Slots to run `running` rows in: the smallest power of two that holds them (at most B), so
+        that at most half the slots idle, and a call compacts (and captures graph sets) at most
+        log2(B) times."""
         return min(B, 1 << (running - 1).bit_length()) if self.compact else B
 
     def _compact(self, B: int, bucket: int) -> None:
@@ -666,9 +671,8 @@ class RolloutEngine:
         steps_per_k, out_tokens, out_lengths = self._decode(B, K, adaptive, temperature, top_p, total)
         timing["decode_s"] = time.perf_counter() - start
 
-        counts = self._status.cpu()
-        verify_rows, emitted = int(counts[1]), int(counts[2])
-        accepted, drafted = counts[3:3 + K], counts[3 + self.max_k:3 + self.max_k + K]
+        verify_rows, emitted = int(self._verify_rows), int(self._emitted)
+        accepted, drafted = self._accepted[:K].cpu(), self._drafted[:K].cpu()
         response_lengths = out_lengths.cpu() - prompt_lengths
         result = RolloutResult(
             tokens=out_tokens.cpu(), prompt_lengths=prompt_lengths, response_lengths=response_lengths,
@@ -706,19 +710,20 @@ class RolloutEngine:
                 self._compact(B, bucket)
                 B = bucket
             k = self.controller.choose(B, K) if adaptive else K
+            timer.mark(0)
+            first = False  # a flush is timed with the step it precedes: part of the cost of drafting again
             if num_staged and (k or num_staged == self.max_k + 1):
-                self._run(("flush", B), partial(self._flush_staged, B))
+                first = self._run(("flush", B), partial(self._flush_staged, B))
                 num_staged = 0
             shape = StepShape(B0, B, k, temperature, top_p, stage=adaptive and not k)
-            timer.mark(0)
-            first = self._run(shape, partial(self._decode_step, shape))
+            first |= self._run(shape, partial(self._decode_step, shape))
             timer.mark(1)
             num_staged += shape.stage
             steps_per_k[k] += 1
             previous, status = status, self._status.tolist()
             if adaptive and not first:
                 self.controller.observe_cost(B, k, timer.seconds())
-            if adaptive and k:
+            if adaptive and k:  # this step's counts per draft position
                 mid = 3 + self.max_k
                 self.controller.observe_acceptance([a - b for a, b in zip(status[3:mid], previous[3:mid])],
                                                    [a - b for a, b in zip(status[mid:], previous[mid:])])
