@@ -81,7 +81,7 @@ def assert_layout(out, prompts, eos_id, max_new_tokens):
 
 def compacted(engine) -> bool:
     """Whether some decode step of the engine ran on fewer slots than its call had rows."""
-    return any(isinstance(key, StepShape) and key.rows < key.full for key in engine._steps)
+    return any(isinstance(key, StepShape) and key.rows < key.full for key in engine._uses)
 
 
 @torch.no_grad()
