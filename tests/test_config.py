@@ -175,7 +175,8 @@ def test_shipped_configs_validate(path, tmp_path):
         inputs = write_demo_inputs(str(tmp_path), cfg.model.name, vocab_size=384, train_problems=16,
                                    test_problems=4, seed=0)
         argv += ["--model.hf_assets_path", inputs.model, "--checkpoint.initial_load_path", inputs.model,
-                 "--training.dataset_path", inputs.train, "--draft.vocab_size", str(min(cfg.draft.vocab_size, 384))]
+                 "--training.dataset_path", inputs.train, "--draft.vocab_size", str(min(cfg.draft.vocab_size, 384)),
+                 "--task.prompt_field", "prompt", "--task.answer_field", "answer"]  # the made file's fields
     check(argv, world_size=1)
 
 
