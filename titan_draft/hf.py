@@ -12,15 +12,11 @@ Works on parallelized (FSDP/TP) models: the full state dict is gathered with
 torch.distributed.checkpoint.state_dict (a collective: call on every rank), and rank 0 writes.
 Folders are written under a temporary name and renamed into place.
 """
-import contextlib
-import glob
 import json
 import os
 import shutil
 
 import torch
-import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict

@@ -7,7 +7,6 @@ three with the ring and the halo shift; nothing else in a training step changes.
 """
 import dataclasses
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 

@@ -8,7 +8,6 @@ look a family up by `model.name` (`family`), by a torchtitan args object (`famil
 Hugging Face config.json (`family_of_hf_config`) and never branch on the family themselves;
 `hf_model_args` is model.flavor "hf": the torchtitan args of a Hugging Face model folder.
 """
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
