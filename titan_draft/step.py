@@ -12,9 +12,6 @@ import torch
 from titan_draft.cotrain import draft_metrics
 from titan_draft.packing import PackedBatch, pack_documents, trained_rows
 
-# Columns of StepSums.policy.
-POLICY_SUMS = ("policy_loss", "entropy_sum", "kl_sum", "clipped_rows", "response_rows")
-
 
 @dataclass
 class RolloutBatch:
@@ -47,7 +44,7 @@ class StepSums:
     """A step's sums over all ranks (data, context and pipeline parallel): what its metrics and the
     draft's skip rule read."""
 
-    policy: torch.Tensor  # float64 [5], POLICY_SUMS
+    policy: torch.Tensor  # float64 [5]: GRPO loss, entropy, log p - log p_ref, clipped rows, response rows
     draft: torch.Tensor  # [D, 3]: per pass (agreeing argmax, valid pairs, cross-entropy); D = 0: no draft
     draft_loss: torch.Tensor  # the draft's loss (summed over the ranks that hold rows): skip its update if not finite
 

@@ -186,16 +186,16 @@ def _dump_samples(s: RLState, r: Rollouts, step: int) -> None:
     count = s.cfg.rollout.dump_samples
     if not count or not s.job.metrics.enabled:
         return
-    tokenizer, responses = s.job.task.tokenizer, r.responses()
-    rewards = s.job.task.rewards(r.prompts, responses)
+    tokenizer, responses = s.job.task.tokenizer, r.responses()[:count]
+    prompts = Prompts(r.prompts.ids[:count], r.prompts.references[:count])
+    rewards = s.job.task.rewards(prompts, responses)  # of the dumped rows only
     folder = os.path.join(s.cfg.job.dump_folder, "rollouts")
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"step_{step}.jsonl"), "w") as f:
-        for i in range(min(count, len(responses))):
-            ids = responses[i].tolist()
-            f.write(json.dumps({"step": step, "prompt": tokenizer.decode(r.prompts.ids[i].tolist()),
-                                "response": tokenizer.decode(ids), "response_ids": ids,
-                                "reward": float(rewards[i])}) + "\n")
+        for prompt, response, reward in zip(prompts.ids, responses, rewards.tolist()):
+            ids = response.tolist()
+            f.write(json.dumps({"step": step, "prompt": tokenizer.decode(prompt.tolist()),
+                                "response": tokenizer.decode(ids), "response_ids": ids, "reward": reward}) + "\n")
 
 
 def main(argv: list[str]) -> None:
