@@ -27,7 +27,7 @@ def test_hf_checkpoint_and_jsonl_job_end_to_end(tmp_path):
             "--checkpoint.initial_load_path", inputs.model, "--training.dataset_path", inputs.train,
             "--draft.warmup_steps", "3", "--training.steps", "2", "--rl.prompts_per_step", "4",
             "--rl.group_size", "2", "--rollout.max_new_tokens", "12", "--rollout.dump_samples", "3",
-            "--checkpoint.enable"]
+            "--rollout.no-adaptive", "--checkpoint.enable"]  # fixed K: every step drafts (adaptive K follows CPU timings)
     run = tmp_path / "run"
     main([*argv, "--job.dump_folder", str(run)])
 
