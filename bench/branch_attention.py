@@ -1,136 +1,250 @@
-"""Forward+backward cost of branch attention against plain causal varlen attention and the
-naive materialised version, on the same packed tokens.
+"""Branch attention against the fastest plain causal attention PyTorch runs on the same tokens,
+and against FlexAttention with the EAGLE-3 TTT mask: forward + backward, all in one process.
 
-    .venv/bin/python -m bench.branch_attention --device cpu
-    python -m bench.branch_attention --device cuda --out outputs/bench_branch_attention.json
+    python -m bench.branch_attention --out bench/results/branch_attention_h200.json
+    python -m bench.branch_attention --device cpu --tokens 512 1024      # shapes only, no speed claim
 
-plain  = branch_attention without a branch (P = 0): the same primitives, trunk only.
-branch = branch_attention with P = 2 and 3 branch passes.
-naive  = branch_attention_reference (dense [Hq, T, T + P*T] scores), P = 3.
-Times are medians over --iters runs after --warmup runs. Peak memory (torch.cuda
-max_memory_allocated, inputs included) is measured on CUDA only: torch's CPU allocator is not
-visible to tracemalloc, so CPU rows leave it out.
+Columns of each row (tokens, docs, passes P):
+- limit_ms: the fastest of what a user could run for PLAIN causal attention over the same
+  documents (no branch): `sdpa` (F.scaled_dot_product_attention, causal, default backend: cuDNN
+  on an H200, one call per document) and `fa2_varlen` (PyTorch's FlashAttention-2 varlen kernels,
+  one call); limit_kernel names the winner.
+- trunk_ms: branch_attention without a branch (P = 0), the backend auto picks.
+- branch_ms: branch_attention with P branch passes.
+- flex_ms: FlexAttention (compiled) over the trunk keys plus the P*T branch keys with the TTT
+  mask (document-causal trunk + diagonal branch), block mask built once per shape outside the
+  timing; null where it was not run (--flex-max-tokens, out of memory, or no CUDA).
+- *_peak_gib: peak allocated memory of each (inputs included), CUDA only.
+Times: median of --iters timed calls after --warmup untimed ones, CUDA events via bench._common.
+--profile T... writes a torch.profiler per-kernel table of one branch_attention step at each T.
 """
 import argparse
 import os
 
 import torch
+import torch.nn.functional as F
 
-from bench._common import median_time, write_json
-from titan_draft.ops import available_backends, branch_attention, branch_attention_reference
-
-BRANCH_PASSES = (2, 3)
-NAIVE_PASSES = 3
+from bench._common import environment, median_time, write_json
+from titan_draft.ops import available_backends, branch_attention
 
 
 def parse_args():
     on_gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if on_gpu else "cpu")
-    parser.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
+    parser.add_argument("--docs", type=int, nargs="+", default=[1, 4],
+                        help="equal packed documents per row")
+    parser.add_argument("--passes", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--heads", type=int, default=None)
     parser.add_argument("--kv-heads", type=int, default=None)
     parser.add_argument("--head-dim", type=int, default=None)
-    parser.add_argument("--docs", type=int, default=4, help="packed documents, random lengths")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--naive-max-gib", type=float, default=None,
-                        help="skip the naive run when its score matrix alone exceeds this "
-                             "(default: try and catch OOM on cuda, 2 GiB on cpu)")
-    parser.add_argument("--out", default=None, help="JSON path")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--long-tokens", type=int, default=131072,
+                        help="from this length on: 1 warm-up and 3 timed calls")
+    parser.add_argument("--flex-max-tokens", type=int, default=65536)
+    parser.add_argument("--profile", type=int, nargs="*", default=[],
+                        help="profile one step at each of these token counts")
+    parser.add_argument("--out", default=None, help="JSON path (a .txt table is written beside it)")
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
-    defaults = dict(dtype="bfloat16" if cuda else "float32",
-                    tokens=[4096 * 2 ** i for i in range(7)] if cuda else [512, 1024, 2048],
-                    heads=32 if cuda else 4, kv_heads=8 if cuda else 2,
-                    head_dim=128 if cuda else 32, naive_max_gib=float("inf") if cuda else 2.0)
+    defaults = dict(tokens=[4096 * 2 ** i for i in range(7)] if cuda else [512, 1024],
+                    heads=32 if cuda else 4, kv_heads=8 if cuda else 2, head_dim=128 if cuda else 32)
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
 
 
-def random_boundaries(tokens, docs, generator):
-    """cu_seqlens of `docs` documents of random lengths (at least 1) summing to `tokens`."""
-    cuts = torch.randperm(tokens - 1, generator=generator)[: docs - 1].add(1).sort().values
-    return torch.tensor([0, *cuts.tolist(), tokens], dtype=torch.int32)
+class Inputs:
+    """q, k, v (and P branch keys/values) over `docs` equal documents of tokens / docs rows."""
+
+    def __init__(self, args, tokens, docs, passes, generator):
+        device = torch.device(args.device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+        def leaf(*shape):
+            return torch.randn(*shape, generator=generator).to(device, dtype).requires_grad_()
+
+        self.q = leaf(tokens, args.heads, args.head_dim)
+        self.k, self.v = (leaf(tokens, args.kv_heads, args.head_dim) for _ in range(2))
+        self.branch = [leaf(passes, tokens, args.kv_heads, args.head_dim) for _ in range(2)] if passes else []
+        self.cu_seqlens = torch.arange(0, tokens + 1, tokens // docs, dtype=torch.int32, device=device)
+        self.grad_out = torch.randn(self.q.shape, generator=generator).to(device, dtype)
+
+    @property
+    def leaves(self):
+        return [self.q, self.k, self.v, *self.branch]
 
 
-def make_inputs(args, tokens, passes, generator):
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-
-    def leaf(*shape):
-        return torch.randn(*shape, generator=generator).to(device, dtype).requires_grad_()
-
-    q = leaf(tokens, args.heads, args.head_dim)
-    k, v = leaf(tokens, args.kv_heads, args.head_dim), leaf(tokens, args.kv_heads, args.head_dim)
-    inputs = [q, k, v]
-    if passes:
-        inputs += [leaf(passes, tokens, args.kv_heads, args.head_dim) for _ in range(2)]
-    return inputs
+def ours(inputs: Inputs):
+    """branch_attention (P = 0 when the inputs have no branch)."""
+    def step():
+        out, _ = branch_attention(inputs.q, inputs.k, inputs.v, *(inputs.branch or (None, None)),
+                                  cu_seqlens=inputs.cu_seqlens)
+        torch.autograd.grad(out, inputs.leaves, inputs.grad_out)
+    return step
 
 
-def measure(args, attention, inputs, cu_seqlens):
-    """Median forward+backward milliseconds, and peak GiB on cuda (None on cpu)."""
-    grad_out = torch.randn_like(inputs[0])
+def sdpa_per_document(inputs: Inputs):
+    bounds = inputs.cu_seqlens.tolist()
 
     def step():
-        out, _ = attention(*inputs[:3], *(inputs[3:] or (None, None)), cu_seqlens=cu_seqlens)
-        torch.autograd.grad(out, inputs, grad_out)
+        outs = []
+        for start, end in zip(bounds, bounds[1:]):
+            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (inputs.q, inputs.k, inputs.v))
+            outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                        .squeeze(0).transpose(0, 1))
+        torch.autograd.grad(torch.cat(outs), inputs.leaves, inputs.grad_out)
+    return step
 
-    seconds, peak = median_time(step, args.warmup, args.iters, inputs[0].device)
-    return 1e3 * seconds, None if peak is None else peak / 2**30
+
+def fa2_varlen(inputs: Inputs):
+    """PyTorch's FlashAttention-2 varlen kernels through the torch_varlen backend (P = 0)."""
+    step = ours(inputs)
+
+    def run():
+        previous = os.environ.get("TITAN_DRAFT_ATTN_BACKEND")
+        os.environ["TITAN_DRAFT_ATTN_BACKEND"] = "torch_varlen"
+        try:
+            step()
+        finally:
+            if previous is None:
+                del os.environ["TITAN_DRAFT_ATTN_BACKEND"]
+            else:
+                os.environ["TITAN_DRAFT_ATTN_BACKEND"] = previous
+    return run
 
 
-def measure_naive(args, tokens, generator, cu_seqlens):
-    score_gib = args.heads * tokens * tokens * (1 + NAIVE_PASSES) * 4 / 2**30
-    if score_gib > args.naive_max_gib:
-        return "skipped", None
-    inputs = make_inputs(args, tokens, NAIVE_PASSES, generator)
-    try:
-        return measure(args, branch_attention_reference, inputs, cu_seqlens)
-    except torch.cuda.OutOfMemoryError:  # the same class as torch.OutOfMemoryError
-        return "OOM", None
-    finally:
+def flex_ttt(inputs: Inputs):
+    """FlexAttention over [trunk keys; branch keys of pass 1..P] with the TTT mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    tokens = inputs.q.shape[0]
+    passes = inputs.branch[0].shape[0]
+    lengths = inputs.cu_seqlens.diff()
+    document = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    key_document = torch.cat([document, document.new_full((passes * tokens,), -1)])
+
+    def ttt(b, h, q_idx, kv_idx):
+        trunk = (key_document[kv_idx] == document[q_idx]) & (kv_idx <= q_idx)
+        branch = (kv_idx >= tokens) & ((kv_idx - tokens) % tokens == q_idx)
+        return trunk | branch
+
+    # _compile: built blockwise; the eager build materialises the whole T x (1+P)T mask.
+    block_mask = create_block_mask(ttt, 1, None, tokens, (1 + passes) * tokens, device=lengths.device,
+                                   _compile=True)
+    attend = torch.compile(flex_attention)
+
+    def step():
+        keys, values = ([x, b.flatten(0, 1)] for x, b in zip((inputs.k, inputs.v), inputs.branch))
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (inputs.q, torch.cat(keys), torch.cat(values)))
+        out = attend(q, k, v, block_mask=block_mask, enable_gqa=True).squeeze(0).transpose(0, 1)
+        torch.autograd.grad(out, inputs.leaves, inputs.grad_out)
+    return step
+
+
+def timed(args, step, device, tokens):
+    warmup, iters = (1, 3) if tokens >= args.long_tokens else (args.warmup, args.iters)
+    seconds, peak = median_time(step, warmup, iters, device)
+    return 1e3 * seconds, None if peak is None else peak / 2 ** 30
+
+
+def free(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_row(args, tokens, docs, generator, device):
+    """Rows for every P at one (tokens, docs): the plain limits and trunk once, then per P."""
+    plain = Inputs(args, tokens, docs, 0, generator)
+    limits = {"sdpa": timed(args, sdpa_per_document(plain), device, tokens)}
+    if device.type == "cuda" and "torch_varlen" in available_backends():
+        limits["fa2_varlen"] = timed(args, fa2_varlen(plain), device, tokens)
+    limit_kernel = min(limits, key=lambda name: limits[name][0])
+    trunk = timed(args, ours(plain), device, tokens)
+    del plain
+    free(device)
+    rows = []
+    for passes in args.passes:
+        inputs = Inputs(args, tokens, docs, passes, generator)
+        branch = timed(args, ours(inputs), device, tokens)
+        flex = (None, None)
+        if device.type == "cuda" and tokens <= args.flex_max_tokens:
+            try:
+                flex = timed(args, flex_ttt(inputs), device, tokens)
+            except torch.OutOfMemoryError:
+                print(f"flex: out of memory at {tokens} tokens", flush=True)
         del inputs
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        free(device)
+        limit_ms, limit_gib = limits[limit_kernel]
+        rows.append(dict(
+            tokens=tokens, docs=docs, passes=passes, limit_ms=limit_ms, limit_kernel=limit_kernel,
+            limits_ms={name: value[0] for name, value in limits.items()}, trunk_ms=trunk[0],
+            branch_ms=branch[0], flex_ms=flex[0], limit_peak_gib=limit_gib, trunk_peak_gib=trunk[1],
+            branch_peak_gib=branch[1], flex_peak_gib=flex[1],
+            trunk_vs_limit=limit_ms / trunk[0], branch_vs_limit=limit_ms / branch[0],
+            flex_over_branch=None if flex[0] is None else flex[0] / branch[0],
+            trunk_mem_vs_limit=None if limit_gib is None else trunk[1] / limit_gib,
+            branch_mem_vs_limit=None if limit_gib is None else branch[1] / limit_gib))
+    return rows
+
+
+def format_row(row):
+    def number(value, digits=2):
+        return "-" if value is None else f"{value:.{digits}f}"
+    return (f"{row['tokens']:>7} {row['docs']:>4} {row['passes']:>2} {number(row['limit_ms']):>9} "
+            f"{row['limit_kernel']:>10} {number(row['trunk_ms']):>9} {number(row['branch_ms']):>9} "
+            f"{number(row['flex_ms']):>9} {number(row['trunk_vs_limit']):>6} "
+            f"{number(row['branch_vs_limit']):>7} {number(row['flex_over_branch']):>9} "
+            f"{number(row['branch_mem_vs_limit']):>8}")
+
+
+HEADER = (f"{'tokens':>7} {'docs':>4} {'P':>2} {'limit ms':>9} {'limit':>10} {'trunk ms':>9} "
+          f"{'branch ms':>9} {'flex ms':>9} {'limit/':>6} {'limit/':>7} {'flex/':>9} {'mem vs':>8}\n"
+          f"{'':>76} {'trunk':>6} {'branch':>7} {'branch':>9} {'limit':>8}")
+
+
+def profile(args, device, tokens):
+    """Per-kernel CUDA time of one branch_attention forward + backward (P = 2, 4 documents)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    step = ours(Inputs(args, tokens, 4, 2, torch.Generator().manual_seed(1)))
+    for _ in range(3):
+        step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        step()
+        torch.cuda.synchronize() if device.type == "cuda" else None
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70)
 
 
 def main():
     args = parse_args()
+    device = torch.device(args.device)
     generator = torch.Generator().manual_seed(0)
-    backend = os.environ.get("TITAN_DRAFT_ATTN_BACKEND", "auto")
-    print(f"device {args.device} dtype {args.dtype} heads {args.heads}/{args.kv_heads} "
-          f"head_dim {args.head_dim} docs {args.docs} backend {backend} "
-          f"(available {available_backends()})")
+    print(f"device {device} heads {args.heads}/{args.kv_heads} head_dim {args.head_dim} "
+          f"backends {available_backends()} (auto picks the first that fits)")
+    lines = [HEADER]
+    print(HEADER, flush=True)
     rows = []
-    header = (f"{'tokens':>8} {'P':>2} {'plain ms':>10} {'branch ms':>10} {'throughput':>10} "
-              f"{'mem ratio':>9} {'naive ms':>10}")
-    print(header)
     for tokens in args.tokens:
-        cu_seqlens = random_boundaries(tokens, args.docs, generator).to(args.device)
-        plain_ms, plain_gib = measure(args, branch_attention, make_inputs(args, tokens, 0, generator),
-                                      cu_seqlens)
-        naive_ms, naive_gib = measure_naive(args, tokens, generator, cu_seqlens)
-        for passes in BRANCH_PASSES:
-            branch_ms, branch_gib = measure(args, branch_attention,
-                                            make_inputs(args, tokens, passes, generator), cu_seqlens)
-            row = dict(tokens=tokens, passes=passes, plain_ms=plain_ms, branch_ms=branch_ms,
-                       throughput_pct=100 * plain_ms / branch_ms, plain_peak_gib=plain_gib,
-                       branch_peak_gib=branch_gib,
-                       peak_mem_ratio=branch_gib / plain_gib if plain_gib else None,
-                       naive_ms=naive_ms if passes == NAIVE_PASSES else None,
-                       naive_peak_gib=naive_gib if passes == NAIVE_PASSES else None)
-            rows.append(row)
-            mem = f"{row['peak_mem_ratio']:.3f}" if row["peak_mem_ratio"] else "-"
-            naive = row["naive_ms"]
-            naive = f"{naive:.1f}" if isinstance(naive, float) else (naive or "")
-            print(f"{tokens:>8} {passes:>2} {plain_ms:>10.2f} {branch_ms:>10.2f} "
-                  f"{row['throughput_pct']:>9.1f}% {mem:>9} {naive:>10}")
+        for docs in args.docs:
+            for row in measure_row(args, tokens, docs, generator, device):
+                rows.append(row)
+                lines.append(format_row(row))
+                print(lines[-1], flush=True)
+            if args.out:  # what is measured so far survives a cut-off run
+                write_json(args.out, dict(config=vars(args), environment=environment(), rows=rows))
+    for tokens in args.profile:
+        table = profile(args, device, tokens)
+        lines += ["", f"profile: branch_attention P = 2, 4 documents, {tokens} tokens", table]
+        print(lines[-2], table, sep="\n", flush=True)
     if args.out:
-        write_json(args.out, dict(config=vars(args), backend=backend, rows=rows))
+        with open(os.path.splitext(args.out)[0] + ".txt", "w") as handle:
+            handle.write("\n".join(lines) + "\n")
         print(f"wrote {args.out}")
 
 

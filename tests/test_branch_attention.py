@@ -16,8 +16,7 @@ from titan_draft.ops import (
     merge_attn,
 )
 
-# The package re-exports the function under the module's name: fetch the module itself.
-branch_module = importlib.import_module("titan_draft.ops.branch_attention")
+# The package re-exports functions under the modules' names: fetch the modules themselves.
 kernels_module = importlib.import_module("titan_draft.ops.attention_kernels")
 F64 = torch.float64
 
@@ -121,7 +120,7 @@ def test_branch_chunks_give_the_same_result(monkeypatch):
     grad_out = torch.randn(23, 4, 8, dtype=F64)
     out_whole, _ = branch_attention(*inputs, cu_seqlens=cu)
     grads_whole = grads(out_whole, inputs, grad_out)
-    monkeypatch.setattr(branch_module, "ROWS_PER_CHUNK", 5)
+    monkeypatch.setattr(kernels_module, "ROWS_PER_CHUNK", 5)
     out_chunked, _ = branch_attention(*inputs, cu_seqlens=cu)
     torch.testing.assert_close(out_chunked, out_whole)
     for got, want in zip(grads(out_chunked, inputs, grad_out), grads_whole):
@@ -330,6 +329,8 @@ def test_backend_selection(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 CUDA_BACKENDS = [b for b in available_backends() if b != "math"]
+# (backend, CUDNN_MIN_DOCUMENT): cudnn also with every document through cuDNN, not only the long ones.
+CUDA_CASES = [(b, None) for b in CUDA_BACKENDS] + [("cudnn", 1)] * ("cudnn" in CUDA_BACKENDS)
 
 
 def run_with_backend(monkeypatch, backend, function, *args):
@@ -337,14 +338,20 @@ def run_with_backend(monkeypatch, backend, function, *args):
     return function(*args)
 
 
+def use_cudnn_min_document(monkeypatch, min_document):
+    if min_document is not None:
+        monkeypatch.setattr(kernels_module, "CUDNN_MIN_DOCUMENT", min_document)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("backend,min_document", CUDA_CASES)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_cuda_block_primitives_match_math(monkeypatch, backend, causal, head_dim):
+def test_cuda_block_primitives_match_math(monkeypatch, backend, min_document, causal, head_dim):
+    use_cudnn_min_document(monkeypatch, min_document)
     torch.manual_seed(6)
-    lengths_q = [1, 300, 0, 777, 129]
-    lengths_k = lengths_q if causal else [64, 0, 5, 900, 129]
+    lengths_q = [1, 300, 0, 777, 129, 1100, 1024, 1024]
+    lengths_k = lengths_q if causal else [64, 0, 5, 900, 129, 1100, 2048, 1024]
     cu_q, cu_k = packed_boundaries(lengths_q, "cuda"), packed_boundaries(lengths_k, "cuda")
     q = torch.randn(sum(lengths_q), 8, head_dim, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(sum(lengths_k), 2, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -371,10 +378,12 @@ def test_cuda_block_primitives_match_math(monkeypatch, backend, causal, head_dim
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_cuda_branch_attention_matches_math(monkeypatch, backend):
+@pytest.mark.parametrize("backend,min_document", CUDA_CASES)
+@pytest.mark.parametrize("lengths", [[1, 511, 1000, 536], [2048], [1024, 1024], [1500, 548]])
+def test_cuda_branch_attention_matches_math(monkeypatch, backend, min_document, lengths):
+    use_cudnn_min_document(monkeypatch, min_document)
     torch.manual_seed(7)
-    cu = packed_boundaries([1, 511, 1000, 536], "cuda")
+    cu = packed_boundaries(lengths, "cuda")
     inputs = [x.detach().cuda().requires_grad_()
               for x in branch_inputs(2048, 32, 8, 3, head_dim=128, dtype=torch.bfloat16)]
     grad_out = torch.randn(2048, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -389,28 +398,83 @@ def test_cuda_branch_attention_matches_math(monkeypatch, backend):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("passes", [1, 2, 5])
-def test_cuda_fused_branch_matches_reference_float64(passes):
-    """On a GPU the branch and its merge run through torch.compile (attention_kernels._fused_on_gpu):
-    still the dense reference in float64, GQA, odd packed documents."""
+def test_cuda_triton_branch_matches_reference_float64(passes):
+    """On a GPU the branch and its merge run as Triton kernels (ops/branch_triton.py) and the trunk
+    on the math backend (float64): still the dense reference, GQA, odd packed documents."""
     torch.manual_seed(passes)
     lengths = random_odd_lengths(5, torch.Generator().manual_seed(10 + passes))
     assert_matches_reference_float64(branch_inputs(sum(lengths), 4, 2, passes, device="cuda"),
                                      packed_boundaries(lengths, "cuda"))
 
 
-@pytest.mark.parametrize("passes", [1, 3])
-def test_fused_branch_functions_trace_as_one_graph(passes):
-    """What _fused_on_gpu hands to torch.compile traces without graph breaks at dynamic shapes
-    (dynamo's eager backend, so this runs on CPU in seconds); the CUDA test above checks the
-    compiled kernels' numbers."""
-    torch.manual_seed(passes)
-    q, _, _, branch_k, branch_v = (x.detach() for x in branch_inputs(13, 4, 2, passes))
-    out, lse = torch.randn_like(q), torch.randn(4, 13, dtype=F64)
-    lse[:, 0] = -float("inf")
-    dout = torch.randn_like(q)
-    for function, args in ((kernels_module.add_branch, (out, lse, q, branch_k, branch_v, 0.3)),
-                           (kernels_module.branch_backward,
-                            (dout, q, branch_k, branch_v, out, lse, 0.3))):
-        traced = torch.compile(function.__wrapped__, dynamic=True, fullgraph=True, backend="eager")
-        for got, want in zip(traced(*args), function(*args)):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
+# ---------------------------------------------------------------------------------------------
+# cudnn backend's document batching (ops/cudnn_attention.py), on CPU: cuDNN's two batch calls
+# replaced by dense float64 ones, everything around them (buckets, padding, views, gathers,
+# scatters, the short documents' other kernel) as on the GPU.
+# ---------------------------------------------------------------------------------------------
+
+cudnn_module = importlib.import_module("titan_draft.ops.cudnn_attention")
+
+
+def dense_batch_scores(q, k, causal, scale):
+    keys = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    scores = q @ keys.transpose(-1, -2) * scale  # [B, Hq, Lq, Lk]
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(future, -math.inf)
+    return scores
+
+
+def dense_batch_forward(q, k, v, *, causal, scale):
+    scores = dense_batch_scores(q, k, causal, scale)
+    values = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    return scores.softmax(-1) @ values, torch.logsumexp(scores, -1, keepdim=True)
+
+
+def dense_batch_backward(dout, q, k, v, out, lse, *, causal, scale):
+    """Gradients from the GIVEN out/lse, as cuDNN's backward computes them (lse = +inf: p = 0)."""
+    groups = q.shape[1] // k.shape[1]
+    probs = torch.exp(dense_batch_scores(q, k, causal, scale) - lse)
+    values = v.repeat_interleave(groups, 1)
+    dscores = probs * (dout @ values.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True)) * scale
+    keys = k.repeat_interleave(groups, 1)
+
+    def per_kv_head(x):
+        return x.unflatten(1, (k.shape[1], groups)).sum(2)
+
+    return (dscores @ keys, per_kv_head(dscores.transpose(-1, -2) @ q),
+            per_kv_head(probs.transpose(-1, -2) @ dout))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("min_document", [1, 18])
+def test_cudnn_document_batches_match_dense(monkeypatch, causal, min_document):
+    """Padded buckets (17 -> 18, 33 -> 36 rows), a view of consecutive equal documents (16, 16),
+    empty documents, and with min_document 18 the short ones through another backend: forward,
+    lse and gradients (fed the final out/lse) equal the dense attention in float64."""
+    monkeypatch.setattr(cudnn_module, "batch_forward", dense_batch_forward)
+    monkeypatch.setattr(cudnn_module, "batch_backward", dense_batch_backward)
+    monkeypatch.setattr(kernels_module, "CUDNN_MIN_DOCUMENT", min_document)
+    # The short documents' kernel: FlashAttention-2 on a GPU, played here by the math backend.
+    monkeypatch.setattr(kernels_module, "_flash_backend", lambda q: "torch_varlen")
+    monkeypatch.setitem(kernels_module._FORWARD, "torch_varlen", kernels_module._math_forward)
+    monkeypatch.setitem(kernels_module._BACKWARD, "torch_varlen", kernels_module._math_backward)
+    torch.manual_seed(8)
+    lengths_q = [16, 16, 17, 0, 33, 3, 17, 16]
+    lengths_k = lengths_q if causal else [16, 16, 20, 4, 33, 0, 20, 9]
+    cu_q, cu_k = packed_boundaries(lengths_q), packed_boundaries(lengths_k)
+    q, k, v = block_inputs(sum(lengths_q), sum(lengths_k))
+    varlen = Varlen(cu_q, cu_k, max(lengths_q), max(lengths_k), causal)
+    assert cudnn_module.length_bucket(17) == 18 and cudnn_module.length_bucket(33) == 36
+
+    split = kernels_module._split_for_cudnn(q, k, varlen)
+    assert len(split.groups) == (1 if min_document == 18 else 4)
+    assert (split.short_varlen is None) == (min_document == 1)
+    out, lse = kernels_module._cudnn_forward(q, k, v, varlen, 0.3)
+    out_ref, lse_ref = dense_block_attention(q, k, v, cu_q, cu_k, causal, 0.3)
+    torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-12, atol=1e-12)
+    grad_out = torch.randn_like(out)
+    got = kernels_module._cudnn_backward(grad_out, q, k, v, out, lse, varlen, 0.3)
+    for g, w in zip(got, grads(out_ref, (q, k, v), grad_out)):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)

@@ -15,7 +15,12 @@ Conventions shared by every function here:
   itself: upcast each block's result, or pass float32 k/v to the math backend.
 
 Backends for attn_forward / attn_backward, chosen by TITAN_DRAFT_ATTN_BACKEND
-(auto | flash_attn | torch_varlen | math; read at every call):
+(auto | cudnn | flash_attn | torch_varlen | math; read at every call):
+- cudnn:        cuDNN's fused attention (ops/cudnn_attention.py), documents batched by length;
+                auto picks it on Hopper and newer (compute capability >= 9), where it measured
+                1.65-1.7x FlashAttention-2 (H200). Documents shorter than CUDNN_MIN_DOCUMENT
+                rows go to FlashAttention-2 in one varlen call (no per-shape cuDNN plans for
+                them; bench/branch_attention.py measured the two).
 - flash_attn:   the flash-attn package's varlen kernels (CUDA, fp16/bf16).
 - torch_varlen: PyTorch's own FlashAttention-2 varlen kernels, the aten ops that
                 torch.nn.attention.varlen.varlen_attn wraps (CUDA, fp16/bf16).
@@ -34,22 +39,28 @@ from typing import NamedTuple
 
 import torch
 
-BACKENDS = ("flash_attn", "torch_varlen", "math")
+from titan_draft.ops import cudnn_attention
+
+BACKENDS = ("cudnn", "flash_attn", "torch_varlen", "math")
+CUDNN_MIN_DOCUMENT = 1024
 _BACKEND_ENV = "TITAN_DRAFT_ATTN_BACKEND"
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _INF = math.inf
 
 
-def available_backends() -> list[str]:
+@functools.cache
+def available_backends() -> tuple[str, ...]:
     """Backends that can run in this process (on suitable tensors), best first."""
     names = []
     if torch.cuda.is_available():
+        if torch.backends.cudnn.is_available() and torch.cuda.get_device_capability()[0] >= 9:
+            names.append("cudnn")
         if _flash_attn_module() is not None:
             names.append("flash_attn")
         if torch.backends.cuda.is_flash_attention_available():
             names.append("torch_varlen")
     names.append("math")
-    return names
+    return tuple(names)
 
 
 def _flash_attn_module():
@@ -60,9 +71,14 @@ def _flash_attn_module():
     return interface
 
 
-def _fits_flash_kernel(q: torch.Tensor) -> bool:
+def _largest_head_dim(backend: str) -> int:
+    return 128 if backend == "cudnn" else 256
+
+
+def _fits(backend: str, q: torch.Tensor) -> bool:
     head_dim = q.shape[-1]
-    return q.is_cuda and q.dtype in _FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
+    return backend == "math" or (q.is_cuda and q.dtype in _FLASH_DTYPES and head_dim % 8 == 0
+                                 and head_dim <= _largest_head_dim(backend))
 
 
 def _select_backend(q: torch.Tensor) -> str:
@@ -71,15 +87,21 @@ def _select_backend(q: torch.Tensor) -> str:
         raise ValueError(f"{_BACKEND_ENV}={requested!r}: expected auto or one of {BACKENDS}")
     available = available_backends()
     if requested == "auto":
-        return next(b for b in available if b == "math" or _fits_flash_kernel(q))
+        return next(b for b in available if _fits(b, q))
     if requested not in available:
         raise ValueError(f"{_BACKEND_ENV}={requested}, but only {available} can run here")
-    if requested != "math" and not _fits_flash_kernel(q):
+    if not _fits(requested, q):
         raise ValueError(
-            f"backend {requested} needs CUDA fp16/bf16 tensors with head_dim % 8 == 0 and <= 256;"
-            f" got {q.device} {q.dtype} head_dim {q.shape[-1]}"
+            f"backend {requested} needs CUDA fp16/bf16 tensors with head_dim % 8 == 0 and <= "
+            f"{_largest_head_dim(requested)}; got {q.device} {q.dtype} head_dim {q.shape[-1]}"
         )
     return requested
+
+
+def _flash_backend(q: torch.Tensor) -> str | None:
+    """The FlashAttention-2 backend for cudnn's short documents, or None (cudnn takes them)."""
+    return next((b for b in available_backends() if b in ("flash_attn", "torch_varlen") and _fits(b, q)),
+                None)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -91,18 +113,24 @@ class Varlen(NamedTuple):
     """Which keys each query row of a packed block sees: document n is query rows
     cu_q[n]..cu_q[n+1]-1 against key rows cu_k[n]..cu_k[n+1]-1 (int32 [N+1] each); max_q / max_k
     bound the documents' lengths (the flash kernels size their grids by them). When causal,
-    cu_q must equal cu_k and query i of a document sees its keys 0..i."""
+    cu_q must equal cu_k and query i of a document sees its keys 0..i.
+    memo: None, or a dict where backends keep what they derive from the boundaries (the cudnn
+    backend's document batches), so that a block's backward reuses its forward's."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     max_q: int
     max_k: int
     causal: bool
+    memo: dict | None = None
 
     @classmethod
-    def packed_causal(cls, cu_seqlens: torch.Tensor, max_len: int) -> "Varlen":
-        """Causal attention within each packed document: queries and keys are the same rows."""
-        return cls(cu_seqlens, cu_seqlens, max_len, max_len, True)
+    def packed_causal(cls, cu_seqlens: torch.Tensor, max_len: int, host_bounds: list[int] | None = None
+                      ) -> "Varlen":
+        """Causal attention within each packed document: queries and keys are the same rows.
+        host_bounds: cu_seqlens as a list, when the caller has it (saves a device sync)."""
+        memo = {} if host_bounds is None else {"bounds": (host_bounds, host_bounds)}
+        return cls(cu_seqlens, cu_seqlens, max_len, max_len, True, memo)
 
 
 def _check_blocks(q, k, v, varlen: Varlen):
@@ -136,12 +164,7 @@ def attn_forward(q, k, v, varlen: Varlen, scale: float):
     _check_blocks(q, k, v, varlen)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return _no_key_result(q)
-    backend = _select_backend(q)
-    if backend == "math":
-        return _math_forward(q, k, v, varlen, scale)
-    if backend == "torch_varlen":
-        return _torch_varlen_forward(q, k, v, varlen, scale)
-    return _flash_attn_forward(q, k, v, varlen, scale)
+    return _FORWARD[_select_backend(q)](q, k, v, varlen, scale)
 
 
 def attn_backward(dout, q, k, v, out, lse, varlen: Varlen, scale: float):
@@ -153,12 +176,7 @@ def attn_backward(dout, q, k, v, out, lse, varlen: Varlen, scale: float):
     _check_blocks(q, k, v, varlen)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    backend = _select_backend(q)
-    if backend == "math":
-        return _math_backward(dout, q, k, v, out, lse, varlen, scale)
-    if backend == "torch_varlen":
-        return _torch_varlen_backward(dout, q, k, v, out, lse, varlen, scale)
-    return _flash_attn_backward(dout, q, k, v, out, lse, varlen, scale)
+    return _BACKWARD[_select_backend(q)](dout, q, k, v, out, lse, varlen, scale)
 
 
 def outside_autocast(forward):
@@ -197,24 +215,20 @@ def merge_attn(out_a, lse_a, out_b, lse_b):
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
+# The PyTorch branch runs in float32 on this many query rows at a time, so its temporaries stay
+# bounded however long the packed sequence is.
+ROWS_PER_CHUNK = 16384
 
-def _fused_on_gpu(function):
-    """`function`, run through torch.compile (dynamic shapes) when its first argument is on a GPU
-    and Triton is there, else eagerly. The branch is a handful of products and sums over P keys
-    per row: eagerly each step writes a float32 [P, T, Hq, D]-sized temporary, compiled they
-    fuse into a few kernels that read the bf16 inputs once (bench/branch_attention.py).
-    torch.compile is called at the first GPU call: importing it costs seconds that a CPU run
-    never needs."""
-    @functools.cache
-    def compiled():
-        return torch.compile(function, dynamic=True)
 
-    @functools.wraps(function)
-    def dispatch(first, *args):
-        if first.is_cuda and _HAS_TRITON:
-            return compiled()(first, *args)
-        return function(first, *args)
-    return dispatch
+def _row_chunks(tokens):
+    for start in range(0, tokens, ROWS_PER_CHUNK):
+        yield slice(start, min(start + ROWS_PER_CHUNK, tokens))
+
+
+def _triton_branch():
+    """ops/branch_triton.py (imported on first GPU use: Triton costs a second to import)."""
+    from titan_draft.ops import branch_triton
+    return branch_triton
 
 
 def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -223,9 +237,7 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _branch_scores(q, branch_k, scale):
-    """Scores of the P diagonal keys, [P, T, Hkv, G], in the compute dtype. Written as a product
-    and a sum, not an einsum, so that torch.compile fuses it instead of calling a batched GEMM
-    with matrices of one row."""
+    """Scores of the P diagonal keys, [P, T, Hkv, G], in the compute dtype."""
     q_grouped = _grouped(q.to(_compute_dtype(q.dtype)), branch_k.shape[2])
     return (q_grouped.unsqueeze(0) * branch_k.to(q_grouped.dtype).unsqueeze(3)).sum(-1) * scale
 
@@ -249,21 +261,48 @@ def branch_forward(q, branch_k, branch_v, scale: float):
     return out.flatten(1, 2), lse.flatten(1, 2).T.contiguous()
 
 
-@_fused_on_gpu
 def add_branch(out, lse, q, branch_k, branch_v, scale: float):
-    """The trunk's (out, lse) with the branch merged in, as one fused step on GPU:
-    merge_attn(out, lse, *branch_forward(q, branch_k, branch_v, scale)), with out returned in
-    the trunk out's dtype and lse in float32 (float64)."""
-    merged_out, merged_lse = merge_attn(out, lse, *branch_forward(q, branch_k, branch_v, scale))
-    return merged_out.to(out.dtype), merged_lse
+    """The trunk's (out, lse) with the branch merged in: merge_attn(out, lse,
+    *branch_forward(q, branch_k, branch_v, scale)), out returned in the trunk out's dtype and lse
+    in float32 (float64). On a GPU one Triton kernel (ops/branch_triton.py), else
+    add_branch_torch."""
+    if q.is_cuda and _HAS_TRITON:
+        return _triton_branch().add_branch(out, lse, q, branch_k, branch_v, scale)
+    return add_branch_torch(out, lse, q, branch_k, branch_v, scale)
 
 
-@_fused_on_gpu
 def branch_backward(dout, q, branch_k, branch_v, out, lse, scale: float):
-    """Closed-form gradients (dq, dbranch_k, dbranch_v) of the branch part, given the FINAL
-    out/lse: w = exp(s - lse); dv_b = w dout; ds = w (<dout, v_b> - <dout, out>);
-    dq = scale sum_p ds k_b; dk_b = scale ds q.
-    """
+    """Gradients (dq, dbranch_k, dbranch_v) of the branch part given the FINAL out/lse; on a GPU
+    one Triton kernel (ops/branch_triton.py), else branch_backward_torch."""
+    if q.is_cuda and _HAS_TRITON:
+        return _triton_branch().branch_backward(dout, q, branch_k, branch_v, out, lse, scale)
+    return branch_backward_torch(dout, q, branch_k, branch_v, out, lse, scale)
+
+
+def add_branch_torch(out, lse, q, branch_k, branch_v, scale: float):
+    """add_branch in plain PyTorch, ROWS_PER_CHUNK rows at a time (the Triton kernel's reference)."""
+    merged_out = torch.empty_like(out)
+    merged_lse = torch.empty_like(lse, dtype=_compute_dtype(q.dtype))
+    for rows in _row_chunks(q.shape[0]):
+        chunk_out, merged_lse[:, rows] = merge_attn(
+            out[rows], lse[:, rows], *branch_forward(q[rows], branch_k[:, rows], branch_v[:, rows], scale))
+        merged_out[rows] = chunk_out.to(out.dtype)
+    return merged_out, merged_lse
+
+
+def branch_backward_torch(dout, q, branch_k, branch_v, out, lse, scale: float):
+    """Closed-form gradients of the branch part, given the FINAL out/lse, in plain PyTorch
+    (the Triton kernel's reference): w = exp(s - lse); dv_b = w dout;
+    ds = w (<dout, v_b> - <dout, out>); dq = scale sum_p ds k_b; dk_b = scale ds q."""
+    dq = torch.empty_like(q)
+    dbranch_k, dbranch_v = torch.empty_like(branch_k), torch.empty_like(branch_v)
+    for rows in _row_chunks(q.shape[0]):
+        dq[rows], dbranch_k[:, rows], dbranch_v[:, rows] = _branch_backward_rows(
+            dout[rows], q[rows], branch_k[:, rows], branch_v[:, rows], out[rows], lse[:, rows], scale)
+    return dq, dbranch_k, dbranch_v
+
+
+def _branch_backward_rows(dout, q, branch_k, branch_v, out, lse, scale: float):
     kv_heads = branch_k.shape[2]
     scores = _branch_scores(q, branch_k, scale)
     dtype = scores.dtype
@@ -463,3 +502,100 @@ def _flash_attn_backward(dout, q, k, v, out, lse, varlen: Varlen, scale):
         causal=varlen.causal,
         deterministic=False, rng_state=None)
     return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# cudnn backend: long documents batched by length through cuDNN (ops/cudnn_attention.py), the
+# short ones through FlashAttention-2 in one varlen call.
+# ---------------------------------------------------------------------------------------------
+
+
+class _CudnnSplit(NamedTuple):
+    groups: list
+    short_q: torch.Tensor | None  # rows of the short documents, and their own Varlen
+    short_k: torch.Tensor | None
+    short_varlen: Varlen | None
+    flash: str | None
+
+
+def _split_for_cudnn(q, k, varlen: Varlen) -> _CudnnSplit:
+    """The block's documents for cuDNN and for FlashAttention-2 (or math, where FA2 cannot run);
+    kept in varlen.memo when there is one, so that the backward reuses the forward's."""
+    key = ("cudnn", q.shape[0], k.shape[0], CUDNN_MIN_DOCUMENT)
+    if varlen.memo is not None and key in varlen.memo:
+        return varlen.memo[key]
+    bounds = None if varlen.memo is None else varlen.memo.get("bounds")
+    if bounds is None:
+        bounds = torch.stack([varlen.cu_q, varlen.cu_k]).tolist()
+    flash = _flash_backend(q) or "math"
+    # cuDNN refuses a one-by-one attention; FA2 takes the short documents in one call.
+    min_length = max(CUDNN_MIN_DOCUMENT if flash != "math" else 1, 2)
+    split = _cached_split(tuple(bounds[0]), tuple(bounds[1]), varlen.causal, min_length,
+                          (q.shape[0], k.shape[0]), q.device, flash)
+    if varlen.memo is not None:
+        varlen.memo[key] = split
+    return split
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_split(bounds_q, bounds_k, causal, min_length, tokens, device, flash) -> _CudnnSplit:
+    """_split_for_cudnn's result for given boundaries: every layer of a model sees the same
+    documents, so they share one split (and its index tensors)."""
+    groups, short = cudnn_attention.split_documents(
+        list(bounds_q), list(bounds_k), causal=causal, min_length=min_length, tokens=tokens,
+        device=device)
+    if not groups or not short:  # all documents to one kernel: nothing to gather
+        return _CudnnSplit(groups, None, None, None, flash)
+
+    def rows_and_bounds(spans):
+        starts, lengths = (torch.tensor(x) for x in zip(*spans))
+        lengths = lengths - starts
+        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        rows = torch.arange(int(cu[-1])) + (starts - cu[:-1]).repeat_interleave(lengths)
+        return (cudnn_attention.to_device(rows, device),
+                cudnn_attention.to_device(cu.to(torch.int32), device), int(lengths.max()))
+
+    short_q, cu_q, max_q = rows_and_bounds([(q0, q1) for q0, q1, _, _ in short])
+    short_k, cu_k, max_k = rows_and_bounds([(k0, k1) for _, _, k0, k1 in short])
+    return _CudnnSplit(groups, short_q, short_k, Varlen(cu_q, cu_k, max_q, max_k, causal), flash)
+
+
+def _cudnn_forward(q, k, v, varlen: Varlen, scale):
+    split = _split_for_cudnn(q, k, varlen)
+    if not split.groups:
+        return _FORWARD[split.flash](q, k, v, varlen, scale)
+    out, lse = cudnn_attention.forward(q, k, v, split.groups, causal=varlen.causal, scale=scale,
+                                       lse_dtype=_compute_dtype(q.dtype))
+    if split.short_varlen is not None:
+        short_out, short_lse = _FORWARD[split.flash](
+            q.index_select(0, split.short_q), k.index_select(0, split.short_k),
+            v.index_select(0, split.short_k), split.short_varlen, scale)
+        out.index_copy_(0, split.short_q, short_out)
+        lse.index_copy_(1, split.short_q, short_lse)
+    return out, lse
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, varlen: Varlen, scale):
+    split = _split_for_cudnn(q, k, varlen)
+    if not split.groups:
+        return _BACKWARD[split.flash](dout, q, k, v, out, lse, varlen, scale)
+    dout, q, k, v = (x.contiguous() for x in (dout.to(q.dtype), q, k, v))
+    out = out.to(q.dtype).contiguous()
+    keyless_as_inf = lse.masked_fill(lse == -_INF, _INF)  # p = 0 in rows that saw no key
+    dq, dk, dv = cudnn_attention.backward(dout, q, k, v, out, keyless_as_inf, split.groups,
+                                          causal=varlen.causal, scale=scale)
+    if split.short_varlen is not None:
+        rows_q, rows_k = split.short_q, split.short_k
+        short = _BACKWARD[split.flash](
+            dout.index_select(0, rows_q), q.index_select(0, rows_q), k.index_select(0, rows_k),
+            v.index_select(0, rows_k), out.index_select(0, rows_q), lse.index_select(1, rows_q),
+            split.short_varlen, scale)
+        for target, grad, rows in zip((dq, dk, dv), short, (rows_q, rows_k, rows_k)):
+            target.index_copy_(0, rows, grad.to(target.dtype))
+    return dq, dk, dv
+
+
+_FORWARD = dict(cudnn=_cudnn_forward, flash_attn=_flash_attn_forward,
+                torch_varlen=_torch_varlen_forward, math=_math_forward)
+_BACKWARD = dict(cudnn=_cudnn_backward, flash_attn=_flash_attn_backward,
+                 torch_varlen=_torch_varlen_backward, math=_math_backward)

@@ -2,9 +2,10 @@
 
 The pass-d query at anchor t sees the pass-1 keys of its document at anchors <= t (the trunk:
 causal varlen attention) and the same-anchor key of each later pass (the branch: a diagonal,
-P keys per query). branch_attention computes the trunk with the flash primitives, the branch in
-closed form, and merges both through their log-sum-exp; branch_attention_reference is the same
-thing written densely, to check it against.
+P keys per query). branch_attention computes the trunk with the attention_kernels primitives
+(cuDNN or FlashAttention-2 on a GPU), the branch in closed form (one Triton kernel each way on a
+GPU), and merges both through their log-sum-exp; branch_attention_reference is the same thing
+written densely, to check it against.
 """
 import torch
 
@@ -17,13 +18,8 @@ from titan_draft.ops.attention_kernels import (
     outside_autocast,
 )
 
-# The branch and the merge run in float32 on this many query rows at a time, so their
-# temporaries stay bounded however long the packed sequence is.
-ROWS_PER_CHUNK = 16384
-
-
 def _validate(q, k, v, branch_k, branch_v, cu_seqlens):
-    """Check shapes; return (cu_seqlens on q's device, longest document, P)."""
+    """Check shapes; return (cu_seqlens on q's device, the same as a list, P)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, Dh], got shape {tuple(q.shape)}")
     tokens, q_heads, head_dim = q.shape
@@ -55,12 +51,7 @@ def _validate(q, k, v, branch_k, branch_v, cu_seqlens):
     lengths = [end - start for start, end in zip(bounds, bounds[1:])]
     if min(lengths) < 0:
         raise ValueError("cu_seqlens must be non-decreasing")
-    return cu_seqlens.to(q.device), max(lengths), passes
-
-
-def _row_chunks(tokens):
-    for start in range(0, tokens, ROWS_PER_CHUNK):
-        yield slice(start, min(start + ROWS_PER_CHUNK, tokens))
+    return cu_seqlens.to(q.device), bounds, passes
 
 
 class _BranchAttention(torch.autograd.Function):
@@ -69,9 +60,7 @@ class _BranchAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, branch_k, branch_v, varlen: Varlen, scale):
         out, lse = attn_forward(q, k, v, varlen, scale)
         if branch_k is not None and branch_k.shape[0] > 0:
-            for rows in _row_chunks(q.shape[0]):
-                out[rows], lse[:, rows] = add_branch(out[rows], lse[:, rows], q[rows],
-                                                     branch_k[:, rows], branch_v[:, rows], scale)
+            out, lse = add_branch(out, lse, q, branch_k, branch_v, scale)
         ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
         ctx.varlen, ctx.scale = varlen, scale
         ctx.mark_non_differentiable(lse)
@@ -85,13 +74,10 @@ class _BranchAttention(torch.autograd.Function):
         dq, dk, dv = attn_backward(dout, q, k, v, out, lse, varlen, scale)
         if branch_k is None:
             return dq, dk, dv, None, None, None, None
-        dbranch_k, dbranch_v = torch.zeros_like(branch_k), torch.zeros_like(branch_v)
-        if branch_k.shape[0] > 0:
-            for rows in _row_chunks(q.shape[0]):
-                dq_branch, dbranch_k[:, rows], dbranch_v[:, rows] = branch_backward(
-                    dout[rows], q[rows], branch_k[:, rows], branch_v[:, rows], out[rows],
-                    lse[:, rows], scale)
-                dq[rows] += dq_branch
+        if branch_k.shape[0] == 0:
+            return dq, dk, dv, torch.zeros_like(branch_k), torch.zeros_like(branch_v), None, None
+        dq_branch, dbranch_k, dbranch_v = branch_backward(dout, q, branch_k, branch_v, out, lse, scale)
+        dq += dq_branch
         return dq, dk, dv, dbranch_k, dbranch_v, None, None
 
 
@@ -104,13 +90,14 @@ def branch_attention(q, k, v, branch_k=None, branch_v=None, cu_seqlens=None, sca
     Returns out [T, Hq, Dh] in q's dtype and lse [Hq, T] (float32; float64 for float64 inputs).
     Differentiable w.r.t. q, k, v, branch_k, branch_v through out; lse is returned for
     inspection and is marked non-differentiable (no gradient flows back through it).
-    Memory beyond inputs and outputs: the flash kernels' O(T) plus float32 branch temporaries of
-    ROWS_PER_CHUNK rows.
+    Memory beyond inputs and outputs: the attention kernels' O(T); on CPU also float32 branch
+    temporaries of attention_kernels.ROWS_PER_CHUNK rows.
     """
-    cu_seqlens, max_len, _ = _validate(q, k, v, branch_k, branch_v, cu_seqlens)
+    cu_seqlens, bounds, _ = _validate(q, k, v, branch_k, branch_v, cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    varlen = Varlen.packed_causal(cu_seqlens, max_len)
+    longest = max(end - start for start, end in zip(bounds, bounds[1:]))
+    varlen = Varlen.packed_causal(cu_seqlens, longest, host_bounds=bounds)
     return _BranchAttention.apply(q, k, v, branch_k, branch_v, varlen, scale)
 
 

@@ -135,9 +135,9 @@ def ring_blocks(layout: ZigzagLayout) -> list[Block]:
     blocks = [Block(None, None, Varlen.packed_causal(full, longest))]
     for step in range(1, layout.cp_size):
         if step <= layout.cp_rank:  # the shard comes from an earlier rank: its front chunks are visible
-            blocks.append(Block(None, layout.front_rows, Varlen(full, half, longest, chunk, False)))
+            blocks.append(Block(None, layout.front_rows, Varlen(full, half, longest, chunk, False, {})))
         else:  # a later rank: only our back chunks see it, all of it
-            blocks.append(Block(layout.back_rows, None, Varlen(half, full, chunk, longest, False)))
+            blocks.append(Block(layout.back_rows, None, Varlen(half, full, chunk, longest, False, {})))
     return blocks
 
 
@@ -178,7 +178,7 @@ class _RingBranchAttention(torch.autograd.Function):
             if step + 1 < size:
                 _wait(requests)
                 kv = next_kv
-        ctx.ring = ring
+        ctx.ring, ctx.blocks = ring, blocks  # the backward reuses the blocks' memos
         return _finish_forward(ctx, (q, k, v, branch_k, branch_v), out, lse, scale)
 
     @staticmethod
@@ -190,7 +190,7 @@ class _RingBranchAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         kv = torch.stack([k, v])
         dkv_requests = None
-        for step, block in enumerate(ring_blocks(layout)):
+        for step, block in enumerate(ctx.blocks):
             if step + 1 < size:
                 next_kv, kv_requests = _ring_pass(kv, group, rank, size)
             dq_block, dk_block, dv_block = _block_backward(dout, q, kv[0], kv[1], out, lse, block, scale)
@@ -230,10 +230,10 @@ def allgather_blocks(layout: ZigzagLayout) -> list[Block]:
     blocks = [Block(None, own, Varlen.packed_causal(full, longest))]
     if rank > 0:
         rows, cu, max_k = layout.chunk_range_rows(0, rank)
-        blocks.append(Block(None, gathered_row[rows], Varlen(full, cu, longest, max_k, False)))
+        blocks.append(Block(None, gathered_row[rows], Varlen(full, cu, longest, max_k, False, {})))
     if rank < size - 1:
         rows, cu, max_k = layout.chunk_range_rows(rank + 1, 2 * size - 1 - rank)
-        blocks.append(Block(layout.back_rows, gathered_row[rows], Varlen(half, cu, chunk, max_k, False)))
+        blocks.append(Block(layout.back_rows, gathered_row[rows], Varlen(half, cu, chunk, max_k, False, {})))
     return blocks
 
 
@@ -248,10 +248,10 @@ class _GatheredBranchAttention(torch.autograd.Function):
     @outside_autocast
     def forward(ctx, q, k_all, v_all, branch_k, branch_v, layout, scale):
         out = lse = None
-        for block in allgather_blocks(layout):
+        ctx.blocks = allgather_blocks(layout)  # the backward reuses the blocks' memos
+        for block in ctx.blocks:
             block_out, block_lse = _block_forward(q, k_all, v_all, block, scale)
             out, lse = _merge_rows(out, lse, block_out, block_lse, block.q_rows)
-        ctx.layout = layout
         return _finish_forward(ctx, (q, k_all, v_all, branch_k, branch_v), out, lse, scale)
 
     @staticmethod
@@ -261,7 +261,7 @@ class _GatheredBranchAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dk = torch.zeros(k_all.shape, dtype=acc_dtype, device=q.device)
         dv = torch.zeros(v_all.shape, dtype=acc_dtype, device=q.device)
-        for block in allgather_blocks(ctx.layout):
+        for block in ctx.blocks:
             dq_block, dk_block, dv_block = _block_backward(dout, q, k_all, v_all, out, lse, block,
                                                            ctx.scale)
             _accumulate(dq, dq_block.to(acc_dtype), block.q_rows)
