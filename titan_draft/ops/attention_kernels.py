@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from titan_draft.ops import cudnn_attention
+import titan_draft.ops.cudnn_attention as cudnn_attention
 
 BACKENDS = ("cudnn", "flash_attn", "torch_varlen", "math")
 CUDNN_MIN_DOCUMENT = 1024
@@ -227,7 +227,7 @@ def _row_chunks(tokens):
 
 def _triton_branch():
     """ops/branch_triton.py (imported on first GPU use: Triton costs a second to import)."""
-    from titan_draft.ops import branch_triton
+    import titan_draft.ops.branch_triton as branch_triton
     return branch_triton
 
 
@@ -564,8 +564,7 @@ def _cudnn_forward(q, k, v, varlen: Varlen, scale):
     split = _split_for_cudnn(q, k, varlen)
     if not split.groups:
         return _FORWARD[split.flash](q, k, v, varlen, scale)
-    out, lse = cudnn_attention.forward(q, k, v, split.groups, causal=varlen.causal, scale=scale,
-                                       lse_dtype=_compute_dtype(q.dtype))
+    out, lse = cudnn_attention.forward(q, k, v, split.groups, scale=scale, lse_dtype=_compute_dtype(q.dtype))
     if split.short_varlen is not None:
         short_out, short_lse = _FORWARD[split.flash](
             q.index_select(0, split.short_q), k.index_select(0, split.short_k),
@@ -582,8 +581,7 @@ def _cudnn_backward(dout, q, k, v, out, lse, varlen: Varlen, scale):
     dout, q, k, v = (x.contiguous() for x in (dout.to(q.dtype), q, k, v))
     out = out.to(q.dtype).contiguous()
     keyless_as_inf = lse.masked_fill(lse == -_INF, _INF)  # p = 0 in rows that saw no key
-    dq, dk, dv = cudnn_attention.backward(dout, q, k, v, out, keyless_as_inf, split.groups,
-                                          causal=varlen.causal, scale=scale)
+    dq, dk, dv = cudnn_attention.backward(dout, q, k, v, out, keyless_as_inf, split.groups, scale=scale)
     if split.short_varlen is not None:
         rows_q, rows_k = split.short_q, split.short_k
         short = _BACKWARD[split.flash](

@@ -28,7 +28,8 @@ def _branch_merge_forward(q_ptr, bk_ptr, bv_ptr, out_ptr, lse_ptr, scale_ptr, to
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
     """In place: (out, lse) of the trunk become those of trunk + branch, for the rows of this
     program and the GROUP query heads that read kv head program_id(1)."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # 64-bit offsets: rows x row stride passes 2^31 from ~512K tokens at 32 x 128 per row.
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     kv_head = tl.program_id(1)
     heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
@@ -51,9 +52,11 @@ def _branch_merge_forward(q_ptr, bk_ptr, bv_ptr, out_ptr, lse_ptr, scale_ptr, to
     denominator = tl.where(has_trunk, 1.0, 0.0).to(compute)
     numerator = tl.where(has_trunk[:, :, None],
                          tl.load(out_at, mask=live3, other=0.0).to(compute), 0.0)
-    for p in tl.static_range(PASSES):
-        key = tl.load(bk_ptr + p * stride_bp + kv_at, mask=live_kv, other=0.0).to(compute)
-        value = tl.load(bv_ptr + p * stride_bp + kv_at, mask=live_kv, other=0.0).to(compute)
+    key_at, value_at = bk_ptr + kv_at, bv_ptr + kv_at  # pass 0; each pass adds stride_bp
+    for _ in tl.static_range(PASSES):
+        key = tl.load(key_at, mask=live_kv, other=0.0).to(compute)
+        value = tl.load(value_at, mask=live_kv, other=0.0).to(compute)
+        key_at, value_at = key_at + stride_bp, value_at + stride_bp
         score = tl.sum(q * key[:, None, :], axis=2) * scale  # [T, G]
         new_max = tl.maximum(running_max, score)
         keep = tl.exp(running_max - new_max)
@@ -75,7 +78,7 @@ def _branch_backward(q_ptr, bk_ptr, bv_ptr, out_ptr, lse_ptr, dout_ptr, scale_pt
     """Gradients of the branch part given the FINAL out/lse: w = exp(s - lse),
     dv_b = sum_g w dout, ds = w (<dout, v_b> - <dout, out>) scale, dq = sum_p ds k_b,
     dk_b = sum_g ds q. q, out, dout, dq share one layout; bk, bv, dbk, dbv another."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # as in forward
     kv_head = tl.program_id(1)
     heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
@@ -94,16 +97,18 @@ def _branch_backward(q_ptr, bk_ptr, bv_ptr, out_ptr, lse_ptr, dout_ptr, scale_pt
     dout = tl.load(dout_ptr + out_at, mask=live3, other=0.0).to(compute)
     row_delta = tl.sum(dout * tl.load(out_ptr + out_at, mask=live3, other=0.0).to(compute), axis=2)
     dq = tl.zeros([BLOCK_T, BLOCK_G, BLOCK_D], dtype=compute)
-    for p in tl.static_range(PASSES):
-        key = tl.load(bk_ptr + p * stride_bp + kv_at, mask=live_kv, other=0.0).to(compute)
-        value = tl.load(bv_ptr + p * stride_bp + kv_at, mask=live_kv, other=0.0).to(compute)
+    pass_at = kv_at  # int64 offsets in the [P, T, Hkv, D] layout of bk, bv, dbk, dbv
+    for _ in tl.static_range(PASSES):
+        key = tl.load(bk_ptr + pass_at, mask=live_kv, other=0.0).to(compute)
+        value = tl.load(bv_ptr + pass_at, mask=live_kv, other=0.0).to(compute)
         prob = tl.exp(tl.sum(q * key[:, None, :], axis=2) * scale - lse)  # [T, G]
         dscore = prob * (tl.sum(dout * value[:, None, :], axis=2) - row_delta) * scale
         dq += dscore[:, :, None] * key[:, None, :]
-        tl.store(dbk_ptr + p * stride_bp + kv_at,
+        tl.store(dbk_ptr + pass_at,
                  tl.sum(dscore[:, :, None] * q, axis=1).to(dbk_ptr.dtype.element_ty), mask=live_kv)
-        tl.store(dbv_ptr + p * stride_bp + kv_at,
+        tl.store(dbv_ptr + pass_at,
                  tl.sum(prob[:, :, None] * dout, axis=1).to(dbv_ptr.dtype.element_ty), mask=live_kv)
+        pass_at += stride_bp
     tl.store(dq_ptr + row_at, dq.to(dq_ptr.dtype.element_ty), mask=live3)
 
 

@@ -33,7 +33,7 @@ def length_bucket(length: int) -> int:
 
 
 class Group(NamedTuple):
-    """`docs` documents run as one [docs, H, len_q|len_k, D] batch.
+    """`docs` documents run as one [docs, H, len_q|len_k, D] batch, causal or full.
 
     start: the batch is rows start .. start + docs * len of q/k (a view, nothing copied), or
     None: it is gathered through q_rows / k_rows ([docs * len], clamped into range). keep_*: the
@@ -41,6 +41,7 @@ class Group(NamedTuple):
     pad_q: [docs, len_q] True at padded query rows (None: no padding)."""
 
     docs: int
+    causal: bool
     len_q: int
     len_k: int
     start: int | None
@@ -67,7 +68,7 @@ def _group(spans, len_q, len_k, causal, tokens, device) -> Group:
     q_starts = [q0 for q0, _, _, _ in spans]
     consecutive = all(b - a == len_q for a, b in zip(q_starts, q_starts[1:]))
     if exact and consecutive and (causal or all(q0 == k0 for q0, _, k0, _ in spans)) and len_q == len_k:
-        return Group(docs, len_q, len_k, q_starts[0], *(None,) * 7)
+        return Group(docs, causal, len_q, len_k, q_starts[0], *(None,) * 7)
 
     def rows(starts, length, available):
         index = torch.tensor(starts)[:, None] + torch.arange(length)
@@ -85,7 +86,7 @@ def _group(spans, len_q, len_k, causal, tokens, device) -> Group:
     if not exact:
         pad_q = to_device(torch.arange(len_q) >= torch.tensor(lengths_q)[:, None], device)
     index = [q_rows, k_rows, keep_q, q_rows[keep_q], keep_k, k_rows[keep_k]]
-    return Group(docs, len_q, len_k, None, *(to_device(x, device) for x in index), pad_q)
+    return Group(docs, causal, len_q, len_k, None, *(to_device(x, device) for x in index), pad_q)
 
 
 def split_documents(bounds_q: list[int], bounds_k: list[int], *, causal: bool, min_length: int,
@@ -147,7 +148,7 @@ def _covers(group: Group, tokens: int) -> bool:
     return group.start == 0 and group.docs * group.len_q == tokens
 
 
-def forward(q, k, v, groups: list[Group], *, causal: bool, scale: float, lse_dtype):
+def forward(q, k, v, groups: list[Group], *, scale: float, lse_dtype):
     """(out [T, Hq, D], lse [Hq, T]) of the groups' documents; rows in no group get out = 0 and
     lse = -inf."""
     tokens, heads = q.shape[:2]
@@ -158,7 +159,7 @@ def forward(q, k, v, groups: list[Group], *, causal: bool, scale: float, lse_dty
     for group in groups:
         group_out, group_lse = batch_forward(  # [docs, Hq, Lq, D], [docs, Hq, Lq, 1]
             _batch(q, group, group.q_rows, group.len_q), _batch(k, group, group.k_rows, group.len_k),
-            _batch(v, group, group.k_rows, group.len_k), causal=causal, scale=scale)
+            _batch(v, group, group.k_rows, group.len_k), causal=group.causal, scale=scale)
         lse_rows = group_lse.squeeze(-1).transpose(0, 1).reshape(heads, -1).to(lse_dtype)
         if out is None:  # one batch of all rows: its results are the answer, nothing to copy
             return group_out.transpose(1, 2).reshape(q.shape), lse_rows
@@ -167,7 +168,7 @@ def forward(q, k, v, groups: list[Group], *, causal: bool, scale: float, lse_dty
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, groups: list[Group], *, causal: bool, scale: float):
+def backward(dout, q, k, v, out, lse, groups: list[Group], *, scale: float):
     """(dq, dk, dv) of the groups' documents given the FINAL out/lse (zero elsewhere). lse
     [Hq, T] must already use +inf for rows that saw no key (cuDNN then gives them p = 0)."""
     whole = len(groups) == 1 and _covers(groups[0], q.shape[0]) and q.shape[0] == k.shape[0]
@@ -185,7 +186,7 @@ def backward(dout, q, k, v, out, lse, groups: list[Group], *, causal: bool, scal
             _batch(dout, group, group.q_rows, group.len_q), _batch(q, group, group.q_rows, group.len_q),
             _batch(k, group, group.k_rows, group.len_k), _batch(v, group, group.k_rows, group.len_k),
             _batch(out, group, group.q_rows, group.len_q), group_lse.unsqueeze(-1).contiguous(),
-            causal=causal, scale=scale)
+            causal=group.causal, scale=scale)
         if whole:
             return tuple(grad.transpose(1, 2).reshape(x.shape) for grad, x in zip(grads, (q, k, v)))
         for target, grad, keep, dest, length in (
