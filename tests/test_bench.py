@@ -1,7 +1,8 @@
 """The RL benches run end to end on CPU at tiny sizes (python -m bench.<name>, as a user runs them) and
 write the JSON their README tables are made from:
 (a) bench.rl_step --preset tiny: none / frozen / cotrain side by side from one warm-started state;
-(b) bench.rollout_speedup --preset smoke: plain, every fixed K and adaptive K per batch size.
+(b) bench.rollout_speedup --preset smoke: plain, every fixed K and adaptive K per batch size;
+(c) bench.branch_attention on CPU: the row fields of bench/results/branch_attention_h200.json.
 """
 import json
 import os
@@ -60,3 +61,17 @@ def test_rollout_speedup_bench_smoke(tmp_path):
         assert fixed_steps[:k_max] == [0] * k_max and fixed_steps[k_max] > 0  # every step K = K_max
         assert all(c["generated_tokens"] >= row["batch"] for c in columns.values())
         assert sorted(int(k) for k in row["step_parts_s"]["verify"]) == list(range(k_max + 1))
+
+
+def test_branch_attention_bench_rows(tmp_path):
+    out = tmp_path / "branch_attention.json"
+    run_bench("bench.branch_attention", "--device", "cpu", "--tokens", "128", "--docs", "1", "4",
+              "--passes", "1", "2", "--warmup", "0", "--iters", "1", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["docs"], row["passes"]) for row in rows] == [(1, 1), (1, 2), (4, 1), (4, 2)]
+    for row in rows:
+        assert row["tokens"] == 128 and row["limit_kernel"] == "sdpa"  # FA2 varlen needs CUDA
+        assert row["limit_ms"] == row["limits_ms"]["sdpa"] > 0 and row["trunk_ms"] > 0 and row["branch_ms"] > 0
+        assert row["flex_ms"] is None and row["limit_peak_gib"] is None  # CUDA only
+        assert row["branch_vs_limit"] == row["limit_ms"] / row["branch_ms"]
+    assert (tmp_path / "branch_attention.txt").read_text().count("\n") >= 6
