@@ -11,6 +11,7 @@ import sys
 import time
 
 from titan_draft.checkpoint import KILL_DURING_SAVE_ENV
+from titan_draft.metrics import TIMING_KEYS
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = ["--job.config_file", os.path.join(ROOT, "train_configs", "sort_tiny_cpu.toml"), "--model.flavor", "tiny_gqa",
@@ -18,7 +19,6 @@ TINY = ["--job.config_file", os.path.join(ROOT, "train_configs", "sort_tiny_cpu.
         "--draft.warmup_steps", "2", "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.sft_batch_size", "16",
         "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "1",
         "--metrics.no-enable-tensorboard"]
-TIMING = {"rollout_time_s", "rollout_tokens_per_s", "train_time_s", "draft_time_s"}
 
 
 PIPELINE = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "4"]
@@ -88,7 +88,7 @@ def rl_metrics(folder) -> dict[int, dict]:
         return {}
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    return {r["step"]: {k: v for k, v in r.items() if k not in TIMING} for r in records if r["phase"] == "rl"}
+    return {r["step"]: {k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records if r["phase"] == "rl"}
 
 
 def complete_steps(folder) -> list[int]:

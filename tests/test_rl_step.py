@@ -16,7 +16,7 @@ import torch
 from titan_draft.config import parse_config
 from titan_draft.cotrain import DraftOptimizer
 from titan_draft.job import build_job
-from titan_draft.metrics import MetricsLogger, read_metrics
+from titan_draft.metrics import TIMING_KEYS, MetricsLogger, read_metrics
 from titan_draft.notebook import execute_notebook
 from titan_draft.train import RLState, collect_rollouts, main, train_step
 from titan_draft.warmstart import WarmStartRun, draft_vocab_from_data, sft_policy
@@ -26,8 +26,6 @@ TINY = ["--job.config_file", os.path.join(ROOT, "train_configs", "sort_tiny_cpu.
         "--training.seq_len", "16", "--task.num_items", "2", "--task.alphabet_size", "4", "--rl.sft_steps", "30",
         "--rl.sft_batch_size", "16", "--draft.warmup_steps", "3", "--rl.prompts_per_step", "4",
         "--rl.group_size", "4", "--training.steps", "3"]
-# Wall-clock measurements: the only metrics allowed to differ between two runs with one seed.
-TIME_KEYS = {"rollout_time_s", "train_time_s", "draft_time_s", "rollout_tokens_per_s"}
 MODES = ("cotrain", "frozen", "none")
 
 
@@ -91,7 +89,7 @@ def run_job(folder, *overrides):
 
 
 def without_time(records):
-    return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in records]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
 @pytest.fixture(scope="module")

@@ -490,6 +490,19 @@ def test_cuda_graph_steps_equal_eager_steps(K, temperature):
     assert graphed._steps[StepShape(3, 3, K, temperature, 1.0, stage=False)].graph is not None  # replayed
 
 
+def test_unreplayed_calls_count_the_calls_without_a_graph_replay():
+    """Every engine call of a generate runs eagerly before its shape's capture: counted. On CPU
+    (no CUDA graphs) nothing is counted; on CUDA the same greedy call repeated reaches 0, once
+    every shape it uses has been captured."""
+    policy, draft, engine = make()
+    counts = [engine.generate(variable_prompts([5, 3, 7], seed=8), 12, num_speculative_tokens=3,
+                              temperature=0.0, eos_id=5).unreplayed_calls for _ in range(4)]
+    if engine.cuda_graphs:
+        assert counts[0] > 0 and counts[-1] == 0, counts
+    else:
+        assert counts == [0, 0, 0, 0]
+
+
 def test_bad_inputs():
     policy, draft, engine = make(max_batch_size=2)
     prompts = torch.ones(2, 5, dtype=torch.long)

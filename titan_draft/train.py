@@ -93,6 +93,7 @@ def collect_rollouts(s: RLState) -> Rollouts:
     speculate = cfg.draft.mode != "none"
     t0 = time.perf_counter()
     s.engine.load_weights(*s.policy.rollout_weights(speculate))
+    weights_s = time.perf_counter() - t0
     # Every rank draws the whole step's prompts (same stream as one process) and rolls out its share.
     prompts = job.task.sample_prompts(rl.prompts_per_step, job.generators["data"])
     prompts = prompts.shard(*dp_rank_and_degree(job.dims)).repeat_interleave(rl.group_size)
@@ -108,6 +109,12 @@ def collect_rollouts(s: RLState) -> Rollouts:
         "acceptance_length": result.acceptance_length,
         "rollout_tokens_per_s": result.tokens_per_s,
         "rollout_time_s": time.perf_counter() - t0,
+        # Where the rollout time went: the weight refresh, the prompts, the decode loop (the last two
+        # timed between device syncs), and how many engine calls ran without a CUDA graph replay.
+        "rollout_weights_s": weights_s,
+        "rollout_prefill_s": result.timing["prefill_s"],
+        "rollout_decode_s": result.timing["decode_s"],
+        "rollout_unreplayed_calls": float(result.unreplayed_calls),
         # The response-length distribution (means over data-parallel ranks of each rank's numbers).
         "response_len_mean": lengths.float().mean().item(),
         "response_len_p90": lengths.float().quantile(0.9).item(),

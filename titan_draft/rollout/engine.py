@@ -91,6 +91,10 @@ class RolloutResult:
     """[K + 1] int64: decode steps that ran with k drafts (K = the call's maximum)."""
     num_decode_steps: int
     """Batched decode forwards (one per loop iteration)."""
+    unreplayed_calls: int = 0
+    """Prefill, flush and decode calls of this generate that did not replay a CUDA graph (ran
+    eagerly before their shape's capture, or were captured): each costs more than a replay.
+    0 without CUDA graphs."""
     timing: dict = field(default_factory=dict)
     """Seconds in prefill_s (prompt forward, first token, draft trunk) and decode_s (the steps)."""
     tokens_per_s: float = 0.0
@@ -346,6 +350,7 @@ class RolloutEngine:
         self.cuda_graphs = options.cuda_graphs and self.device.type == "cuda"
         self._steps: dict[object, object] = {}
         self._uses: dict[object, int] = {}
+        self._unreplayed = 0  # _run calls of the current generate() that were not graph replays
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.controller = GoodputController(self.max_k)
 
@@ -530,10 +535,12 @@ class RolloutEngine:
         self._uses[key] = uses
         if not self.cuda_graphs or uses < CAPTURE_AFTER:
             fn()
+            self._unreplayed += self.cuda_graphs
             return self.cuda_graphs
         if key not in self._steps:
             self._steps[key] = self.captured(fn)
             self._steps[key]()
+            self._unreplayed += 1
             return True
         self._steps[key]()
         return False
@@ -652,6 +659,7 @@ class RolloutEngine:
         adaptive = adaptive and K > 0
         timing = dict(prefill_s=0.0, decode_s=0.0)
         wall = time.perf_counter()
+        self._unreplayed = 0
         B, P = padded.shape
         total = P + max_new_tokens
         seed_device = generator.device if generator is not None else "cpu"
@@ -681,7 +689,8 @@ class RolloutEngine:
             num_accepted_tokens=int(accepted.sum()), accepted_per_position=accepted,
             drafted_per_position=drafted,
             per_position_acceptance=(accepted.double() / drafted.clamp(min=1).double()).float(),
-            steps_per_k=steps_per_k, num_decode_steps=int(steps_per_k.sum()), timing=timing,
+            steps_per_k=steps_per_k, num_decode_steps=int(steps_per_k.sum()),
+            unreplayed_calls=self._unreplayed, timing=timing,
         )
         result.tokens_per_s = float(response_lengths.sum()) / (time.perf_counter() - wall)
         return result
