@@ -261,11 +261,17 @@ def branch_forward(q, branch_k, branch_v, scale: float):
     return out.flatten(1, 2), lse.flatten(1, 2).T.contiguous()
 
 
+def _has_branch(branch_k) -> bool:
+    return branch_k is not None and branch_k.shape[0] > 0
+
+
 def add_branch(out, lse, q, branch_k, branch_v, scale: float):
     """The trunk's (out, lse) with the branch merged in: merge_attn(out, lse,
     *branch_forward(q, branch_k, branch_v, scale)), out returned in the trunk out's dtype and lse
     in float32 (float64). On a GPU one Triton kernel (ops/branch_triton.py), else
-    add_branch_torch."""
+    add_branch_torch. Without a branch (None, or P = 0): (out, lse) as given."""
+    if not _has_branch(branch_k):
+        return out, lse
     if q.is_cuda and _HAS_TRITON:
         return _triton_branch().add_branch(out, lse, q, branch_k, branch_v, scale)
     return add_branch_torch(out, lse, q, branch_k, branch_v, scale)
@@ -277,6 +283,18 @@ def branch_backward(dout, q, branch_k, branch_v, out, lse, scale: float):
     if q.is_cuda and _HAS_TRITON:
         return _triton_branch().branch_backward(dout, q, branch_k, branch_v, out, lse, scale)
     return branch_backward_torch(dout, q, branch_k, branch_v, out, lse, scale)
+
+
+def branch_grads(dq, dout, q, branch_k, branch_v, out, lse, scale: float):
+    """The branch's gradients (dbranch_k, dbranch_v) given the FINAL out/lse, its share of dq added
+    into dq in place: (None, None) without a branch, zeros for P = 0."""
+    if branch_k is None:
+        return None, None
+    if branch_k.shape[0] == 0:
+        return torch.zeros_like(branch_k), torch.zeros_like(branch_v)
+    dq_branch, dbranch_k, dbranch_v = branch_backward(dout, q, branch_k, branch_v, out, lse, scale)
+    dq += dq_branch
+    return dbranch_k, dbranch_v
 
 
 def add_branch_torch(out, lse, q, branch_k, branch_v, scale: float):

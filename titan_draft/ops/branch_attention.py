@@ -14,7 +14,7 @@ from titan_draft.ops.attention_kernels import (
     add_branch,
     attn_backward,
     attn_forward,
-    branch_backward,
+    branch_grads,
     outside_autocast,
 )
 
@@ -58,9 +58,7 @@ class _BranchAttention(torch.autograd.Function):
     @staticmethod
     @outside_autocast
     def forward(ctx, q, k, v, branch_k, branch_v, varlen: Varlen, scale):
-        out, lse = attn_forward(q, k, v, varlen, scale)
-        if branch_k is not None and branch_k.shape[0] > 0:
-            out, lse = add_branch(out, lse, q, branch_k, branch_v, scale)
+        out, lse = add_branch(*attn_forward(q, k, v, varlen, scale), q, branch_k, branch_v, scale)
         ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
         ctx.varlen, ctx.scale = varlen, scale
         ctx.mark_non_differentiable(lse)
@@ -72,12 +70,7 @@ class _BranchAttention(torch.autograd.Function):
         varlen, scale = ctx.varlen, ctx.scale
         # Both parts see the final out/lse: that is what makes the split exact.
         dq, dk, dv = attn_backward(dout, q, k, v, out, lse, varlen, scale)
-        if branch_k is None:
-            return dq, dk, dv, None, None, None, None
-        if branch_k.shape[0] == 0:
-            return dq, dk, dv, torch.zeros_like(branch_k), torch.zeros_like(branch_v), None, None
-        dq_branch, dbranch_k, dbranch_v = branch_backward(dout, q, branch_k, branch_v, out, lse, scale)
-        dq += dq_branch
+        dbranch_k, dbranch_v = branch_grads(dq, dout, q, branch_k, branch_v, out, lse, scale)
         return dq, dk, dv, dbranch_k, dbranch_v, None, None
 
 

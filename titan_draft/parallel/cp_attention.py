@@ -31,7 +31,7 @@ from titan_draft.ops.attention_kernels import (
     add_branch,
     attn_backward,
     attn_forward,
-    branch_backward,
+    branch_grads,
     merge_attn,
     outside_autocast,
 )
@@ -96,31 +96,16 @@ def _accumulate(acc, grad, rows):
         acc.index_add_(0, rows, grad.to(acc.dtype))
 
 
-def _has_branch(branch_k):
-    return branch_k is not None and branch_k.shape[0] > 0
-
-
 def _finish_forward(ctx, inputs, out, lse, scale):
     """Merge the branch as one more LSE step; save what backward needs; return (out, lse).
     inputs: forward's (q, k, v, branch_k, branch_v)."""
     q, k, v, branch_k, branch_v = inputs
-    if _has_branch(branch_k):
-        out, lse = add_branch(out, lse, q, branch_k, branch_v, scale)
+    out, lse = add_branch(out, lse, q, branch_k, branch_v, scale)
     out = out.to(q.dtype)
     ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
     ctx.scale = scale
     ctx.mark_non_differentiable(lse)
     return out, lse
-
-
-def _branch_grads(dq, dout, q, branch_k, branch_v, out, lse, scale):
-    if branch_k is None:
-        return None, None
-    if branch_k.shape[0] == 0:
-        return torch.zeros_like(branch_k), torch.zeros_like(branch_v)
-    dq_branch, dbranch_k, dbranch_v = branch_backward(dout, q, branch_k, branch_v, out, lse, scale)
-    dq += dq_branch
-    return dbranch_k, dbranch_v
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,7 +194,7 @@ class _RingBranchAttention(torch.autograd.Function):
         if size > 1:
             _wait(dkv_requests)
             dkv = dkv_in
-        dbranch_k, dbranch_v = _branch_grads(dq, dout, q, branch_k, branch_v, out, lse, scale)
+        dbranch_k, dbranch_v = branch_grads(dq, dout, q, branch_k, branch_v, out, lse, scale)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dbranch_k, dbranch_v, None, None
 
 
@@ -267,7 +252,7 @@ class _GatheredBranchAttention(torch.autograd.Function):
             _accumulate(dq, dq_block.to(acc_dtype), block.q_rows)
             _accumulate(dk, dk_block, block.kv_rows)
             _accumulate(dv, dv_block, block.kv_rows)
-        dbranch_k, dbranch_v = _branch_grads(dq, dout, q, branch_k, branch_v, out, lse, ctx.scale)
+        dbranch_k, dbranch_v = branch_grads(dq, dout, q, branch_k, branch_v, out, lse, ctx.scale)
         return (dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype), dbranch_k, dbranch_v,
                 None, None)
 
