@@ -132,7 +132,8 @@ def _scale_tensor(scale, lse):
 def add_branch(out, lse, q, branch_k, branch_v, scale: float):
     """attention_kernels.add_branch_reference as one kernel: (out, lse) with the branch merged."""
     q, branch_k, branch_v = q.contiguous(), branch_k.contiguous(), branch_v.contiguous()
-    out, lse = out.contiguous().clone(), lse.contiguous().clone()
+    # Written in place: fresh contiguous copies of the trunk's results.
+    out, lse = out.clone(memory_format=torch.contiguous_format), lse.clone(memory_format=torch.contiguous_format)
     grid, shape = _launch_shape(q, branch_k)
     _branch_merge_forward[grid](
         q, branch_k, branch_v, out, lse, _scale_tensor(scale, lse), q.shape[0],

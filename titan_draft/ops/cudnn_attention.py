@@ -70,23 +70,26 @@ def _group(spans, len_q, len_k, causal, tokens, device) -> Group:
     if exact and consecutive and (causal or all(q0 == k0 for q0, _, k0, _ in spans)) and len_q == len_k:
         return Group(docs, causal, len_q, len_k, q_starts[0], *(None,) * 7)
 
-    def rows(starts, length, available):
+    def side(starts, lengths, length, available):
+        """(gather rows [docs * length], which of them are real [docs, length]) on the host."""
         index = torch.tensor(starts)[:, None] + torch.arange(length)
-        return index.flatten().clamp_(max=available - 1)  # padded rows past the end
+        is_real = torch.arange(length) < torch.tensor(lengths)[:, None]
+        return index.flatten().clamp_(max=available - 1), is_real  # padded rows past the end
 
-    def real(lengths, length):
-        return (torch.arange(length) < torch.tensor(lengths)[:, None]).flatten().nonzero().squeeze(1)
+    def on_device(rows, is_real):
+        """(rows, keep, dest) on the device: keep = real positions in the batch, dest = their rows."""
+        keep = is_real.flatten().nonzero().squeeze(1)
+        return tuple(to_device(x, device) for x in (rows, keep, rows[keep]))
 
-    lengths_q = [q1 - q0 for q0, q1, _, _ in spans]
-    lengths_k = [k1 - k0 for _, _, k0, k1 in spans]
-    q_rows = rows(q_starts, len_q, tokens[0])
-    k_rows = rows([k0 for _, _, k0, _ in spans], len_k, tokens[1])
-    keep_q, keep_k = real(lengths_q, len_q), real(lengths_k, len_k)
-    pad_q = None
-    if not exact:
-        pad_q = to_device(torch.arange(len_q) >= torch.tensor(lengths_q)[:, None], device)
-    index = [q_rows, k_rows, keep_q, q_rows[keep_q], keep_k, k_rows[keep_k]]
-    return Group(docs, causal, len_q, len_k, None, *(to_device(x, device) for x in index), pad_q)
+    q_rows, q_real = side(q_starts, [q1 - q0 for q0, q1, _, _ in spans], len_q, tokens[0])
+    q_side = on_device(q_rows, q_real)
+    k_side = q_side  # causal: keys are the query rows
+    if not causal:
+        k_side = on_device(*side([k0 for _, _, k0, _ in spans], [k1 - k0 for _, _, k0, k1 in spans],
+                                 len_k, tokens[1]))
+    pad_q = None if exact else to_device(~q_real, device)
+    (q_rows, keep_q, dest_q), (k_rows, keep_k, dest_k) = q_side, k_side
+    return Group(docs, causal, len_q, len_k, None, q_rows, k_rows, keep_q, dest_q, keep_k, dest_k, pad_q)
 
 
 def split_documents(bounds_q: list[int], bounds_k: list[int], *, causal: bool, min_length: int,
