@@ -339,10 +339,13 @@ def test_sampled_speculative_generation_is_lossless(mode):
     schedule = mode.pop("schedule", None)
     adaptive = mode.pop("adaptive", False) or schedule is not None
     policy, _, engine = make(max_batch_size=2000, max_speculative_tokens=3)
+    n, depth, eos_id = 1000, 3, 12
     if schedule:
         engine.controller = ScheduledK(schedule)
+    elif adaptive:  # every K costs the same: the controller drafts (a random draft on the CPU would not pay)
+        engine.controller.cost = {(b, K): 1.0 for b in (*(2 ** i for i in range(11)), 2 * n) for K in range(4)}
+        engine._measured.add((2 * n, 3, 0.8, 0.9))
     prompts = [torch.tensor([1, 7, 9, 12, 4]), torch.tensor([3, 30, 2, 17, 5, 5, 11, 8])]
-    n, depth, eos_id = 1000, 3, 12
     out = engine.generate([prompts[b % 2] for b in range(2 * n)], 4, temperature=0.8, top_p=0.9, eos_id=eos_id,
                           generator=torch.Generator(DEVICE).manual_seed(6), adaptive=adaptive, **mode)
     for i, prompt in enumerate(prompts):
@@ -469,6 +472,32 @@ def test_adaptive_generation_follows_the_cost_table():
         steps = out.steps_per_k.tolist()
         assert steps == ([out.num_decode_steps, 0, 0, 0] if priced_out else [0, 0, 0, out.num_decode_steps])
         assert (out.num_drafts == 0) == priced_out
+
+
+def test_adaptive_first_call_measures_every_step_shape_without_changing_the_samples():
+    """The first adaptive call at a batch size times every (active-row bucket, K) step before its
+    prefill, and the controller starts from those costs; the measurement leaves the call's samples
+    as they are (it runs before the call seeds its generator, and prefill resets the state)."""
+    policy, draft, engine = make()
+    prompts = variable_prompts([5, 3, 7], seed=9)
+    first = engine.generate(prompts, 12, num_speculative_tokens=3, adaptive=True, eos_id=5,
+                            generator=torch.Generator().manual_seed(1))
+    assert set(engine.controller.cost) == {(b, k) for b in (1, 2, 3) for k in range(4)}
+    assert first.timing["measure_s"] > 0
+    again = engine.generate(prompts, 12, num_speculative_tokens=3, adaptive=True, eos_id=5)
+    assert again.timing["measure_s"] == 0  # once per batch size
+
+    outs = []
+    for measured in (True, False):
+        engine = engine_for(policy, draft, 4)
+        engine.controller = ScheduledK([2, 0, 3, 1])
+        if not measured:
+            engine._measured.add((3, 3, 1.0, 1.0))
+        outs.append(engine.generate(prompts, 12, num_speculative_tokens=3, adaptive=True, eos_id=5,
+                                    generator=torch.Generator().manual_seed(1)))
+    assert outs[0].timing["measure_s"] > 0 and outs[1].timing["measure_s"] == 0
+    assert torch.equal(outs[0].tokens, outs[1].tokens)
+    assert outs[0].steps_per_k.tolist() == outs[1].steps_per_k.tolist()
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs")

@@ -109,9 +109,11 @@ def collect_rollouts(s: RLState) -> Rollouts:
         "acceptance_length": result.acceptance_length,
         "rollout_tokens_per_s": result.tokens_per_s,
         "rollout_time_s": time.perf_counter() - t0,
-        # Where the rollout time went: the weight refresh, the prompts, the decode loop (the last two
-        # timed between device syncs), and how many engine calls ran without a CUDA graph replay.
+        # Where the rollout time went: the weight refresh, adaptive K's step measurement (the first
+        # call only), the prompts, the decode loop (the last three timed between device syncs), and
+        # how many engine calls ran without a CUDA graph replay.
         "rollout_weights_s": weights_s,
+        "rollout_measure_s": result.timing["measure_s"],
         "rollout_prefill_s": result.timing["prefill_s"],
         "rollout_decode_s": result.timing["decode_s"],
         "rollout_unreplayed_calls": float(result.unreplayed_calls),

@@ -46,6 +46,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.models.draft import DraftArgs, EagleDraft
@@ -55,6 +56,11 @@ from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, probs_f
 
 # A decode-step shape runs eagerly this many times before it is captured as a CUDA graph.
 CAPTURE_AFTER = 3
+# Timed replays per decode-step shape when adaptive K measures a new batch size (median kept).
+MEASURED_STEPS = 3
+
+# Multi-query cached attention: the memory-efficient kernel (math where it does not run: float64).
+_MULTI_QUERY_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Wrapper prefixes that checkpointing and torch.compile add to parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -96,7 +102,8 @@ class RolloutResult:
     eagerly before their shape's capture, or were captured): each costs more than a replay.
     0 without CUDA graphs."""
     timing: dict = field(default_factory=dict)
-    """Seconds in prefill_s (prompt forward, first token, draft trunk) and decode_s (the steps)."""
+    """Seconds in measure_s (adaptive K's first call at a batch size: every step shape captured and
+    timed), prefill_s (prompt forward, first token, draft trunk) and decode_s (the steps)."""
     tokens_per_s: float = 0.0
     """Generated tokens (all rows) per second of wall time of generate()."""
 
@@ -231,11 +238,27 @@ def _default_dtype(dtype):
 
 
 def _attend(q, k_cache, v_cache, mask, scale=None):
-    """q [B, S, Hq, D] against a whole static cache [B, L, Hkv, D] under mask [B, S, L]."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                                         attn_mask=mask[:, None], scale=scale,
-                                         enable_gqa=q.shape[2] != k_cache.shape[2])
-    return out.transpose(1, 2)
+    """q [B, S, Hq, D] against a static cache [B, L, Hkv, D] under mask [B, S, L].
+
+    One query per row (plain decode, draft passes): SDPA with enable_gqa, which on Hopper runs
+    cuDNN's decode kernel. Several (verify windows, the draft's trunk extension): the G = Hq / Hkv
+    query heads that share a kv head become G * S query rows of that head, and the memory-efficient
+    kernel runs them (it takes no GQA). cuDNN's kernel for S >= 2 cost ~5x its S = 1 kernel on the
+    H200 (bench/decode_attention.py; docs/DESIGN.md, "Decode attention").
+    """
+    B, S, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    k, v = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    if S == 1:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
+                                             enable_gqa=Hq != Hkv)
+        return out.transpose(1, 2)
+    G, L = Hq // Hkv, mask.shape[-1]
+    folded = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)
+    folded_mask = mask[:, None, None].expand(B, 1, G, S, L).reshape(B, 1, G * S, L)
+    with sdpa_kernel(_MULTI_QUERY_BACKENDS):
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=folded_mask, scale=scale)
+    return out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, Hq, D)
 
 
 class CapturedCall:
@@ -353,6 +376,7 @@ class RolloutEngine:
         self._unreplayed = 0  # _run calls of the current generate() that were not graph replays
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.controller = GoodputController(self.max_k)
+        self._measured: set[tuple] = set()  # (rows, K, temperature, top_p) of adaptive calls measured
 
         self._policy_step, self._draft_extend, self._draft_pass = (
             self.policy_forward, self.draft_extend, self.draft_pass)
@@ -635,6 +659,38 @@ class RolloutEngine:
         log2(B) times."""
         return min(B, 1 << (running - 1).bit_length()) if self.compact else B
 
+    def _measure_steps(self, B0: int, K: int, temperature: float, top_p: float) -> None:
+        """Capture (on CUDA) and time every decode step a call of B0 rows can run, each active-row
+        bucket with k = 0..K drafts, and give the times to the controller: adaptive K then starts
+        from measured costs. Exploring inside rollouts instead ran each new shape eagerly, then
+        captured it, at tens of ms apiece on the H200, against ~1 ms per replayed step.
+        Runs before the call's prefill on a dummy state (every row finishes at its first step, so
+        no slot past the first few is written) and before the call seeds its generator: the
+        call's tokens do not depend on it."""
+        self._tokens[:B0].zero_()
+        self._lengths[:B0] = 1
+        self._limit[:B0] = 2
+        self._done[:B0] = False
+        self._row_of_slot[:B0] = torch.arange(B0, device=self.device)
+        self._hidden[:B0].zero_()
+        timer = StepTimer(self.device)
+        for bucket in sorted({self._bucket(running, B0) for running in range(1, B0 + 1)}):
+            self._num_staged.fill_(1)
+            self._run(("flush", bucket), partial(self._flush_staged, bucket))
+            for k in range(K + 1):
+                shape = StepShape(B0, bucket, k, temperature, top_p, stage=not k)
+                seconds = []
+                while len(seconds) < MEASURED_STEPS:
+                    self._num_staged.zero_()  # a K = 0 step stages into slot 0
+                    timer.mark(0)
+                    first = self._run(shape, partial(self._decode_step, shape))
+                    timer.mark(1)
+                    self._status.tolist()  # the host sync that makes the timer readable
+                    if not first:
+                        seconds.append(timer.seconds())
+                self.controller.observe_cost(bucket, k, sorted(seconds)[len(seconds) // 2])
+        self._num_staged.zero_()
+
     def _compact(self, B: int, bucket: int) -> None:
         """Move the running rows (in order, then finished ones to fill the bucket) to slots
         0..bucket-1 of every state buffer: one gather per buffer, no host sync."""
@@ -657,12 +713,16 @@ class RolloutEngine:
         padded, prompt_lengths = self._prompt_batch(prompts, eos_id)
         self._check(prompt_lengths, max_new_tokens, K, temperature, top_p)
         adaptive = adaptive and K > 0
-        timing = dict(prefill_s=0.0, decode_s=0.0)
+        timing = dict(measure_s=0.0, prefill_s=0.0, decode_s=0.0)
         wall = time.perf_counter()
-        self._unreplayed = 0
         B, P = padded.shape
         total = P + max_new_tokens
         seed_device = generator.device if generator is not None else "cpu"
+        if adaptive and (B, K, temperature, top_p) not in self._measured:
+            with self._clock(timing, "measure_s"):
+                self._measure_steps(B, K, temperature, top_p)
+            self._measured.add((B, K, temperature, top_p))
+        self._unreplayed = 0
         self._rng.manual_seed(int(torch.randint(2**62, (), generator=generator, device=seed_device)))
 
         with self._clock(timing, "prefill_s"):
