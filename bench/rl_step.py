@@ -91,8 +91,8 @@ def step_of(state: RLState):
                   "generated_tokens": int(rollouts.response_lengths.sum()), "response_len_max": m["response_len_max"],
                   "rollout_tokens_per_s": m["rollout_tokens_per_s"], "reward_mean": stats["reward_mean"],
                   "draft_acc_pass1": stats.get("draft_acc_pass1"),
-                  **{key: m[key] for key in ("rollout_weights_s", "rollout_measure_s", "rollout_prefill_s", "rollout_decode_s",
-                                             "rollout_unreplayed_calls")}}
+                  **{key: m[key] for key in ("rollout_weights_s", "rollout_measure_s", "rollout_prefill_s",
+                                             "rollout_decode_s", "rollout_unreplayed_calls")}}
         if state.cfg.draft.mode != "none":
             record["spec"] = spec_metrics(rollouts.counts)
         return record

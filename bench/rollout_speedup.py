@@ -101,8 +101,9 @@ def summary(task, prompts, results) -> dict:
 
 def step_parts(engine, batch_size: int, temperature: float, part_repeats: int) -> dict:
     """Seconds of one decode step's parts at batch_size rows, each alone, as the engine runs them
-    (captured on CUDA): verify[K] = the policy forward of [B, K + 1] tokens (K = 0: a plain decode
-    step's), draft[K] = proposing K tokens (K - 1 draft passes, K draft distributions and samples).
+    (captured on CUDA), attending the whole cache (the widest step shape): verify[K] = the policy
+    forward of [B, K + 1] tokens (K = 0: a plain decode step's), draft[K] = proposing K tokens
+    (K - 1 draft passes, K draft distributions and samples).
     Run after the generations: it scribbles on the caches."""
     B, device = batch_size, engine.device
     hidden = torch.zeros(B, engine.draft.args.dim, dtype=engine.dtype, device=device)
@@ -115,9 +116,9 @@ def step_parts(engine, batch_size: int, temperature: float, part_repeats: int) -
     for k in range(engine.max_k + 1):
         tokens = torch.zeros(B, k + 1, dtype=torch.long, device=device)
         positions = torch.arange(k + 1, device=device).expand(B, -1) + 8
-        verify[k] = seconds(partial(engine.policy_forward, tokens, positions))
+        verify[k] = seconds(partial(engine.policy_forward, tokens, positions, engine.slots))
         if k:
-            draft[k] = seconds(partial(engine._propose, hidden, anchor, k, temperature, 1.0, engine._rng))
+            draft[k] = seconds(partial(engine._propose, hidden, anchor, k, temperature, 1.0, engine._rng, engine.slots))
     return dict(verify=verify, draft=draft)
 
 

@@ -14,9 +14,10 @@ Bookkeeping, per row b of the batch (prompt length p_b; cache slot = RoPE positi
 - The draft's cache holds its pass-1 ("trunk") keys of anchors i whose next token x_{i+1} is known:
   input concat(e(x_{i+1}), fc(taps_i)), RoPE position i (titan_draft/models/draft.py conventions).
   Proposing after position n uses anchor a = n - 1: pass 1 is the trunk entry of a itself; pass k
-  feeds e(t_{k-1}) and pass k-1's hidden at RoPE position a + k - 1 and attends the trunk (anchors
-  <= a) plus the branch keys of passes 2..k, which live in K extra slots after the trunk slots.
-  Trunk slots past anchor lengths[b] - 2 (padding, rejected drafts) are garbage under the same rule.
+  feeds e(t_{k-1}) and pass k-1's hidden at RoPE position a + k - 1, puts its branch key in slot
+  a + k - 1, and attends slots <= a + k - 1: the trunk (anchors <= a) plus passes 2..k's branch keys.
+  Trunk slots past anchor lengths[b] - 2 (padding, rejected drafts, branch keys) are garbage under
+  the same rule: the trunk extension after each verify step overwrites them.
 - Prefill runs the whole prompt and samples the first response token; it is not a verify step.
 
 Finished rows stop costing compute: row state lives in slots. When the running rows fit a smaller
@@ -34,9 +35,14 @@ drafting step (or when max_k + 1 are staged). Any K, at any step, is lossless.
 
 Speed: one decode step (draft K tokens, verify, accept, roll back, extend the draft's trunk) is a
 single function of static-shape tensors that live in engine buffers, with no host
-synchronisation inside. On CUDA it is captured once per `StepShape` (bucket, K, temperature,
-top-p, ...) into a CUDA graph and replayed (`CapturedCall`); elsewhere it runs eagerly. Both run
-the same code. The loop reads one small status vector per step (running rows and counters).
+synchronisation inside. On CUDA it is captured once per `StepShape` (bucket, K, cache width,
+temperature, top-p, ...) into a CUDA graph and replayed (`CapturedCall`); elsewhere it runs
+eagerly. Both run the same code. The loop reads one small status vector per step (running rows,
+the longest row, counters). Attention reads only the live part of the caches: the smallest of a
+few widths (the whole cache, then halvings) that holds the longest row plus a draft window.
+Multi-query attention (verify windows, the draft's trunk extension) folds GQA heads into query
+rows for the memory-efficient kernel (`_attend`). Adaptive K times every step shape of a new
+batch size once, before that call's prefill (`_measure_steps`), so rollouts do not explore.
 """
 import time
 from contextlib import contextmanager
@@ -56,6 +62,10 @@ from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, probs_f
 
 # A decode-step shape runs eagerly this many times before it is captured as a CUDA graph.
 CAPTURE_AFTER = 3
+# Counters at the head of the engine's status vector (running, verify rows, emitted, longest).
+STATUS_COUNTS = 4
+# Distinct attended cache widths: the full cache, then halvings (see RolloutEngine._cache_width).
+CACHE_WIDTH_LEVELS = 6
 # Timed replays per decode-step shape when adaptive K measures a new batch size (median kept).
 MEASURED_STEPS = 3
 
@@ -198,6 +208,8 @@ class StepShape:
     top_p: float
     stage: bool
     """A K = 0 step keeps its taps for the draft's trunk (adaptive K)."""
+    width: int
+    """Cache slots its attention reads (RolloutEngine._cache_width)."""
 
 
 def _copy_weights(src: nn.Module, dst: nn.Module, what: str) -> None:
@@ -338,14 +350,10 @@ class RolloutEngine:
             with torch.device(self.device), _default_dtype(dtype):
                 self.draft = EagleDraft(replace(draft_args, max_seq_len=self.slots))
             self.draft.eval().requires_grad_(False)
-            # Trunk slots 0..slots-1 (slot = anchor), then one branch slot per pass 2..K.
-            draft_shape = (max_batch_size, self.slots + self.max_k, draft_args.n_kv_heads, draft_args.head_dim)
+            # Slot = anchor for the trunk; pass k's branch key goes to slot anchor + k - 1 (see draft_pass).
+            draft_shape = (max_batch_size, self.slots, draft_args.n_kv_heads, draft_args.head_dim)
             self.draft_k = torch.zeros(draft_shape, device=self.device, dtype=dtype)
             self.draft_v = torch.zeros(draft_shape, device=self.device, dtype=dtype)
-            # _branch_masks[k]: the branch slots pass k attends (passes 2..k), constant.
-            slot = torch.arange(draft_shape[1], device=self.device)
-            self._branch_masks = torch.stack([(slot >= self.slots) & (slot < self.slots + k - 1)
-                                              for k in range(self.max_k + 1)])
 
         # Decode-step state, static so that captured steps always find it at the same addresses.
         # Row state lives in slots; _row_of_slot maps a slot to its row of the call (compaction).
@@ -356,12 +364,12 @@ class RolloutEngine:
         self._done = torch.zeros(max_batch_size, dtype=torch.bool, device=self.device)
         self._row_of_slot = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
         self._eos = torch.zeros((), dtype=torch.long, device=self.device)
-        # What the loop reads once per step: running rows, verify rows, emitted tokens, then per
-        # draft position the row-steps that accepted it and that proposed it.
-        self._status = torch.zeros(3 + 2 * self.max_k, dtype=torch.long, device=self.device)
-        self._running, self._verify_rows, self._emitted = self._status[0], self._status[1], self._status[2]
-        self._accepted = self._status[3:3 + self.max_k]
-        self._drafted = self._status[3 + self.max_k:]
+        # What the loop reads once per step: running rows, verify rows, emitted tokens, the longest
+        # row's length, then per draft position the row-steps that accepted it and that proposed it.
+        self._status = torch.zeros(STATUS_COUNTS + 2 * self.max_k, dtype=torch.long, device=self.device)
+        self._running, self._verify_rows, self._emitted, self._longest = self._status[:STATUS_COUNTS]
+        self._accepted = self._status[STATUS_COUNTS:STATUS_COUNTS + self.max_k]
+        self._drafted = self._status[STATUS_COUNTS + self.max_k:]
         if self.draft is not None:
             self._hidden = torch.zeros(max_batch_size, draft_args.dim, dtype=dtype, device=self.device)
             # Taps of up to max_k + 1 K = 0 steps, put into the draft's trunk before the next draft.
@@ -410,16 +418,18 @@ class RolloutEngine:
                 self._target_ids.copy_(self.draft.target_ids())
 
     # --- the policy ----------------------------------------------------------------------------------
-    def policy_forward(self, tokens: torch.Tensor, positions: torch.Tensor):
+    def policy_forward(self, tokens: torch.Tensor, positions: torch.Tensor, width: int | None = None):
         """Cached forward of tokens [B, S] at positions [B, S] (cache slot = position).
 
         Writes their keys/values into the cache, attends slots <= each query's position, and
         returns logits [B, S, V], tap features [B, S, n_taps * dim] (tap layers' outputs, ascending)
-        and the token embeddings [B, S, dim].
+        and the token embeddings [B, S, dim]. width: the cache slots attention reads (default all);
+        every position must lie below it.
         """
         B = tokens.shape[0]
         rows = torch.arange(B, device=tokens.device)[:, None]
-        mask = torch.arange(self.slots, device=tokens.device) <= positions[..., None]  # [B, S, slots]
+        width = width or self.slots
+        mask = torch.arange(width, device=tokens.device) <= positions[..., None]  # [B, S, width]
         rope = self._rope_table()
         emb = self.policy.tok_embeddings(tokens)
         h, taps = emb, []
@@ -444,15 +454,18 @@ class RolloutEngine:
         q, k = self._rope(q, k, rope, positions)
         k_cache[rows, positions] = k
         v_cache[rows, positions] = v
-        out = _attend(q, k_cache[:B], v_cache[:B], mask, scale=getattr(attn, "scaling", None))
+        width = mask.shape[-1]
+        out = _attend(q, k_cache[:B, :width], v_cache[:B, :width], mask, scale=getattr(attn, "scaling", None))
         return attn.wo(out.flatten(2))
 
     # --- the draft -----------------------------------------------------------------------------------
-    def draft_extend(self, next_emb: torch.Tensor, taps: torch.Tensor, start: torch.Tensor, count: torch.Tensor):
+    def draft_extend(self, next_emb: torch.Tensor, taps: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
+                     width: int | None = None):
         """Pass 1 at anchors start..start+W-1 of each row (the first count[b] are real).
 
         next_emb [B, W, dim]: policy embeddings of x_{i+1}; taps [B, W, n_taps * dim]: taps at i.
         Writes their trunk keys and returns pass 1's hidden at the last real anchor, [B, dim].
+        width: the cache slots attention reads (default all), above every anchor.
         """
         B, W, _ = next_emb.shape
         rows = torch.arange(B, device=next_emb.device)
@@ -461,40 +474,40 @@ class RolloutEngine:
         q, k, v = self.draft.project_qkv(next_emb.flatten(0, 1), hidden.flatten(0, 1), anchors.flatten())
         self.draft_k[rows[:, None], anchors] = k.view(B, W, *k.shape[1:])
         self.draft_v[rows[:, None], anchors] = v.view(B, W, *v.shape[1:])
-        # Trunk slots <= anchor; branch slots (>= self.slots) are beyond every anchor.
-        mask = torch.arange(self.draft_k.shape[1], device=q.device) <= anchors[..., None]
-        out = _attend(q.view(B, W, *q.shape[1:]), self.draft_k[:B], self.draft_v[:B], mask)
+        width = width or self.slots
+        mask = torch.arange(width, device=q.device) <= anchors[..., None]  # trunk slots <= anchor
+        out = _attend(q.view(B, W, *q.shape[1:]), self.draft_k[:B, :width], self.draft_v[:B, :width], mask)
         hidden = self.draft.complete(out, hidden)
         return hidden[rows, count - 1]
 
     def draft_pass(self, k: int, emb: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
-                   trunk: torch.Tensor | None = None):
+                   width: int | None = None):
         """Pass k >= 2 at anchor [B]: input e(t_{k-1}) [B, dim] and pass k-1's hidden [B, dim];
-        returns pass k's hidden [B, dim]. trunk: the mask of slots <= anchor, [B, slots + max_k]
-        (built here when not given; _propose builds it once for all passes)."""
+        returns pass k's hidden [B, dim]. width: the cache slots attention reads (default all).
+
+        Its key goes to slot anchor + k - 1, its RoPE position, so that slots <= anchor + k - 1
+        are exactly what pass k attends: the trunk (anchors <= anchor) and passes 2..k's branch keys.
+        Those slots belong to anchors whose next token is not known yet: garbage under the rollback
+        rule, overwritten by the trunk extension after the verify step.
+        """
         B = emb.shape[0]
         rows = torch.arange(B, device=emb.device)
-        q, key, value = self.draft.project_qkv(emb, hidden, anchor + k - 1)
-        self.draft_k[rows, self.slots + k - 2] = key
-        self.draft_v[rows, self.slots + k - 2] = value
-        if trunk is None:
-            trunk = self._trunk_mask(anchor)
-        mask = trunk | self._branch_masks[k]
-        out = _attend(q[:, None], self.draft_k[:B], self.draft_v[:B], mask[:, None])
+        slot = anchor + k - 1
+        q, key, value = self.draft.project_qkv(emb, hidden, slot)
+        self.draft_k[rows, slot] = key
+        self.draft_v[rows, slot] = value
+        width = width or self.slots
+        mask = torch.arange(width, device=emb.device) <= slot[:, None]
+        out = _attend(q[:, None], self.draft_k[:B, :width], self.draft_v[:B, :width], mask[:, None])
         return self.draft.complete(out[:, 0], hidden)
 
-    def _trunk_mask(self, anchor):
-        """Draft-cache slots <= anchor [B] (trunk slots of earlier anchors; branch slots lie beyond)."""
-        return torch.arange(self.draft_k.shape[1], device=anchor.device) <= anchor[:, None]
-
-    def _propose(self, hidden, anchor, K, temperature, top_p, noise):
+    def _propose(self, hidden, anchor, K, temperature, top_p, noise, width):
         """K chained draft tokens [B, K] and their distributions [B, K, V] (target vocabulary, 0
         outside the draft's) from pass 1's hidden; random numbers from noise (a RowNoise)."""
-        trunk = self._trunk_mask(anchor)
         tokens, probs = [], []
         for k in range(1, K + 1):
             if k > 1:
-                hidden = self._draft_pass(k, self.policy.tok_embeddings(tokens[-1]), hidden, anchor, trunk)
+                hidden = self._draft_pass(k, self.policy.tok_embeddings(tokens[-1]), hidden, anchor, width)
             probs.append(probs_from_logits(self.draft.logits(hidden), temperature, top_p))
             tokens.append(self._target_ids[sample(probs[-1], noise)])
         draft_probs = torch.stack(probs, 1)
@@ -574,7 +587,7 @@ class RolloutEngine:
         emits in padding) clamped into it: only garbage slots, overwritten before use, see them."""
         return tokens.clamp(0, self.policy.tok_embeddings.num_embeddings - 1)
 
-    def _prefill(self, B: int, P: int, draft: bool, temperature: float, top_p: float) -> None:
+    def _prefill(self, B: int, P: int, draft: bool, temperature: float, top_p: float, width: int) -> None:
         """The prompts (in the token buffer, lengths = their lengths) through the policy, the first
         response token, the row state, and the draft's trunk over the prompts; in place, no host sync.
         Columns past a row's prompt are padding: their cache slots lie past the row's length, so
@@ -582,16 +595,17 @@ class RolloutEngine:
         tokens, lengths, done = self._tokens[:B], self._lengths[:B], self._done[:B]
         rows = torch.arange(B, device=tokens.device)
         prompts = self._in_vocab(tokens[:, :P])
-        logits, taps, _ = self._policy_step(prompts, torch.arange(P, device=tokens.device).expand(B, P))
+        logits, taps, _ = self._policy_step(prompts, torch.arange(P, device=tokens.device).expand(B, P), width)
         first = sample(probs_from_logits(logits[rows, lengths - 1], temperature, top_p), self._rng)
         tokens[rows, lengths] = first
         lengths += 1
         done.copy_((first == self._eos) | (lengths >= self._limit[:B]))
         self._status.zero_()
         self._running.copy_((~done).sum())
+        self._longest.copy_(lengths.max())
         if draft:  # anchors 0..p_b - 1 (x_{p_b} is the first token); later ones are padding
             next_emb = self.policy.tok_embeddings(self._in_vocab(tokens[:, 1:P + 1]))
-            self._hidden[:B] = self._draft_extend(next_emb, taps, torch.zeros_like(lengths), lengths - 1)
+            self._hidden[:B] = self._draft_extend(next_emb, taps, torch.zeros_like(lengths), lengths - 1, width)
             self._num_staged.zero_()
 
     def _decode_step(self, shape: StepShape) -> None:
@@ -611,9 +625,10 @@ class RolloutEngine:
         n = lengths - 1  # position of the last known token, the first one verified
         verify_in = tokens[rows, n][:, None]
         if K:
-            draft_tokens, draft_probs = self._propose(self._hidden[:B], n - 1, K, temperature, top_p, noise)
+            draft_tokens, draft_probs = self._propose(self._hidden[:B], n - 1, K, temperature, top_p, noise,
+                                                      shape.width)
             verify_in = torch.cat([verify_in, draft_tokens], dim=1)
-        logits, taps, _ = self._policy_step(verify_in, n[:, None] + window)
+        logits, taps, _ = self._policy_step(verify_in, n[:, None] + window, shape.width)
         target_probs = probs_from_logits(logits, temperature, top_p)
         if K:
             num_accepted, out = speculative_accept(draft_tokens, draft_probs, target_probs, noise)
@@ -635,14 +650,15 @@ class RolloutEngine:
         done |= is_eos.any(1) | (lengths + emit >= limit)
         lengths += emit
         self._running.copy_((~done).sum())
+        self._longest.copy_(lengths.max())
         if K:  # finished rows extend too (harmlessly, past their end): no data-dependent branch
             next_emb = self.policy.tok_embeddings(self._in_vocab(out))
-            self._hidden[:B] = self._draft_extend(next_emb, taps, n, emit.clamp(min=1))
+            self._hidden[:B] = self._draft_extend(next_emb, taps, n, emit.clamp(min=1), shape.width)
         elif shape.stage:  # running rows emitted exactly one token: anchor n's taps
             self._staged_taps[:B].index_copy_(1, self._num_staged[None], taps)
             self._num_staged += 1
 
-    def _flush_staged(self, B: int) -> None:
+    def _flush_staged(self, B: int, width: int) -> None:
         """Pass 1 of the draft at the anchors of the K = 0 steps since its last use (their taps were
         staged; each running row emitted one token per step), so that its trunk and hidden state
         are current again; in place, no host sync. Windows are max_k + 1 wide, the staged part real."""
@@ -650,7 +666,8 @@ class RolloutEngine:
         start = (lengths - 1 - self._num_staged).clamp(min=0)  # first staged anchor of a running row
         columns = start[:, None] + 1 + torch.arange(self._staged_taps.shape[1], device=tokens.device)
         next_emb = self.policy.tok_embeddings(self._in_vocab(tokens.gather(1, columns)))
-        self._hidden[:B] = self._draft_extend(next_emb, self._staged_taps[:B], start, self._num_staged.expand(B))
+        self._hidden[:B] = self._draft_extend(next_emb, self._staged_taps[:B], start, self._num_staged.expand(B),
+                                              width)
         self._num_staged.zero_()
 
     def _bucket(self, running: int, B: int) -> int:
@@ -659,9 +676,20 @@ class RolloutEngine:
         log2(B) times."""
         return min(B, 1 << (running - 1).bit_length()) if self.compact else B
 
-    def _measure_steps(self, B0: int, K: int, temperature: float, top_p: float) -> None:
-        """Capture (on CUDA) and time every decode step a call of B0 rows can run, each active-row
-        bucket with k = 0..K drafts, and give the times to the controller: adaptive K then starts
+    def _cache_width(self, needed: int) -> int:
+        """Cache slots a step attends: the smallest of slots, slots / 2, slots / 4, ... (rounded up,
+        CACHE_WIDTH_LEVELS in all) that holds `needed`. Attention then reads the live part of the
+        caches, not all of it, in a few step shapes (CUDA graphs) per call."""
+        width = self.slots
+        for _ in range(CACHE_WIDTH_LEVELS - 1):
+            if -(-width // 2) < needed:
+                break
+            width = -(-width // 2)
+        return width
+
+    def _measure_steps(self, B0: int, K: int, temperature: float, top_p: float, width: int) -> None:
+        """Capture (on CUDA) and time every decode step a call of B0 rows can run at `width`, each
+        active-row bucket with k = 0..K drafts, and give the times to the controller: adaptive K then starts
         from measured costs. Exploring inside rollouts instead ran each new shape eagerly, then
         captured it, at tens of ms apiece on the H200, against ~1 ms per replayed step.
         Runs before the call's prefill on a dummy state (every row finishes at its first step, so
@@ -676,9 +704,11 @@ class RolloutEngine:
         timer = StepTimer(self.device)
         for bucket in sorted({self._bucket(running, B0) for running in range(1, B0 + 1)}):
             self._num_staged.fill_(1)
-            self._run(("flush", bucket), partial(self._flush_staged, bucket))
+            self._uses.setdefault(("flush", bucket, width), CAPTURE_AFTER - 1)  # captured at once
+            self._run(("flush", bucket, width), partial(self._flush_staged, bucket, width))
             for k in range(K + 1):
-                shape = StepShape(B0, bucket, k, temperature, top_p, stage=not k)
+                shape = StepShape(B0, bucket, k, temperature, top_p, stage=not k, width=width)
+                self._uses.setdefault(shape, CAPTURE_AFTER - 1)
                 seconds = []
                 while len(seconds) < MEASURED_STEPS:
                     self._num_staged.zero_()  # a K = 0 step stages into slot 0
@@ -720,7 +750,7 @@ class RolloutEngine:
         seed_device = generator.device if generator is not None else "cpu"
         if adaptive and (B, K, temperature, top_p) not in self._measured:
             with self._clock(timing, "measure_s"):
-                self._measure_steps(B, K, temperature, top_p)
+                self._measure_steps(B, K, temperature, top_p, self._cache_width(P + self.max_k))
             self._measured.add((B, K, temperature, top_p))
         self._unreplayed = 0
         self._rng.manual_seed(int(torch.randint(2**62, (), generator=generator, device=seed_device)))
@@ -732,8 +762,9 @@ class RolloutEngine:
             self._limit[:B] = self._lengths[:B] + max_new_tokens
             self._row_of_slot[:B] = torch.arange(B, device=self.device)
             self._eos.fill_(eos_id)
-            self._run(("prefill", B, P, K > 0, temperature, top_p),
-                      partial(self._prefill, B, P, K > 0, temperature, top_p))
+            width = self._cache_width(P)
+            self._run(("prefill", B, P, K > 0, temperature, top_p, width),
+                      partial(self._prefill, B, P, K > 0, temperature, top_p, width))
 
         start = time.perf_counter()
         steps_per_k, out_tokens, out_lengths = self._decode(B, K, adaptive, temperature, top_p, total)
@@ -779,12 +810,15 @@ class RolloutEngine:
                 self._compact(B, bucket)
                 B = bucket
             k = self.controller.choose(B, K) if adaptive else K
+            # Every slot this step (or a flush) writes or reads lies below the longest row's length
+            # (status[3]) + max_k: the verify window, the draft's branch and trunk slots.
+            width = self._cache_width(status[3] + self.max_k)
             timer.mark(0)
             first = False  # a flush is timed with the step it precedes: part of the cost of drafting again
             if num_staged and (k or num_staged == self.max_k + 1):
-                first = self._run(("flush", B), partial(self._flush_staged, B))
+                first = self._run(("flush", B, width), partial(self._flush_staged, B, width))
                 num_staged = 0
-            shape = StepShape(B0, B, k, temperature, top_p, stage=adaptive and not k)
+            shape = StepShape(B0, B, k, temperature, top_p, stage=adaptive and not k, width=width)
             first |= self._run(shape, partial(self._decode_step, shape))
             timer.mark(1)
             num_staged += shape.stage
@@ -793,8 +827,8 @@ class RolloutEngine:
             if adaptive and not first:
                 self.controller.observe_cost(B, k, timer.seconds())
             if adaptive and k:  # this step's counts per draft position
-                mid = 3 + self.max_k
-                self.controller.observe_acceptance([a - b for a, b in zip(status[3:mid], previous[3:mid])],
+                head, mid = STATUS_COUNTS, STATUS_COUNTS + self.max_k
+                self.controller.observe_acceptance([a - b for a, b in zip(status[head:mid], previous[head:mid])],
                                                    [a - b for a, b in zip(status[mid:], previous[mid:])])
         save(B)
         return steps_per_k, out_tokens, out_lengths
