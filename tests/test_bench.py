@@ -75,3 +75,13 @@ def test_branch_attention_bench_rows(tmp_path):
         assert row["flex_ms"] is None and row["limit_peak_gib"] is None  # CUDA only
         assert row["branch_vs_limit"] == row["limit_ms"] / row["branch_ms"]
     assert (tmp_path / "branch_attention.txt").read_text().count("\n") >= 6
+
+
+def test_decode_attention_bench_rows(tmp_path):
+    out = tmp_path / "decode_attention.json"
+    run_bench("bench.decode_attention", "--batch-sizes", "1", "3", "--queries", "1", "3", "--widths", "17",
+              "--iters", "1", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["batch"], row["queries"], row["width"]) for row in rows] == [(1, 1, 17), (1, 3, 17), (3, 1, 17),
+                                                                              (3, 3, 17)]
+    assert all(row["sdpa_ms"] > 0 and row["engine_ms"] > 0 for row in rows)

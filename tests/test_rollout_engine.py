@@ -3,13 +3,14 @@ cache), the training-time draft (ttt_forward + branch_attention), plain greedy d
 policy's exact distribution of the first response tokens; and its goodput controller."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from titan_draft import _compat
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.packing import pack
 from titan_draft.rollout import EngineOptions, GoodputController, RolloutEngine, probs_from_logits
-from titan_draft.rollout.engine import StepShape
+from titan_draft.rollout.engine import StepShape, _attend_folded
 
 DEVICE = _compat.device()  # the engine runs where the policy does: the CUDA path on a GPU machine
 
@@ -534,6 +535,21 @@ def test_unreplayed_calls_count_the_calls_without_a_graph_replay():
         assert counts[0] > 0 and counts[-1] == 0, counts
     else:
         assert counts == [0, 0, 0, 0]
+
+
+def test_folded_multi_query_attention_equals_sdpa_gqa():
+    """The CUDA path for several queries per row (GQA heads folded into query rows) equals SDPA's
+    enable_gqa attention under the engine's causal cache mask, in float64, values and scale."""
+    gen = torch.Generator().manual_seed(3)
+    B, S, Hq, Hkv, D, L = 3, 5, 8, 2, 16, 23
+    q = torch.randn(B, S, Hq, D, generator=gen, dtype=torch.float64)
+    k_cache, v_cache = (torch.randn(B, L, Hkv, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    positions = torch.tensor([4, 11, 17])[:, None] + torch.arange(S)
+    mask = torch.arange(L) <= positions[..., None]
+    for scale in (None, 0.3):
+        want = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                              attn_mask=mask[:, None], scale=scale, enable_gqa=True).transpose(1, 2)
+        torch.testing.assert_close(_attend_folded(q, k_cache, v_cache, mask, scale), want, rtol=0, atol=1e-12)
 
 
 def test_bad_inputs():

@@ -252,24 +252,29 @@ def _default_dtype(dtype):
 def _attend(q, k_cache, v_cache, mask, scale=None):
     """q [B, S, Hq, D] against a static cache [B, L, Hkv, D] under mask [B, S, L].
 
-    One query per row (plain decode, draft passes): SDPA with enable_gqa, which on Hopper runs
-    cuDNN's decode kernel. Several (verify windows, the draft's trunk extension): the G = Hq / Hkv
-    query heads that share a kv head become G * S query rows of that head, and the memory-efficient
-    kernel runs them (it takes no GQA). cuDNN's kernel for S >= 2 cost ~5x its S = 1 kernel on the
-    H200 (bench/decode_attention.py; docs/DESIGN.md, "Decode attention").
+    SDPA with enable_gqa, except for several queries per row on CUDA (verify windows, the draft's
+    trunk extension): there cuDNN, SDPA's choice on Hopper, ran its S >= 2 kernel at ~5x the cost
+    of its S = 1 decode kernel (bench/decode_attention.py), so `_attend_folded` runs them.
     """
+    if q.shape[1] > 1 and q.device.type == "cuda":
+        return _attend_folded(q, k_cache, v_cache, mask, scale)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                         attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=q.shape[2] != k_cache.shape[2])
+    return out.transpose(1, 2)
+
+
+def _attend_folded(q, k_cache, v_cache, mask, scale=None):
+    """_attend with the G = Hq / Hkv query heads that share a kv head as G * S query rows of that
+    head, through the memory-efficient kernel (which takes no GQA; math where it does not run)."""
     B, S, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
-    k, v = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    if S == 1:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
-                                             enable_gqa=Hq != Hkv)
-        return out.transpose(1, 2)
-    G, L = Hq // Hkv, mask.shape[-1]
+    Hkv, L = k_cache.shape[2], mask.shape[-1]
+    G = Hq // Hkv
     folded = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)
     folded_mask = mask[:, None, None].expand(B, 1, G, S, L).reshape(B, 1, G * S, L)
     with sdpa_kernel(_MULTI_QUERY_BACKENDS):
-        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=folded_mask, scale=scale)
+        out = F.scaled_dot_product_attention(folded, k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                             attn_mask=folded_mask, scale=scale)
     return out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, Hq, D)
 
 
