@@ -34,6 +34,7 @@ def make(name="llama3", max_batch_size=4, draft_vocab=24, seed=0, **engine_kwarg
 
 
 def engine_for(policy, draft, max_batch_size, *, name="llama3", dtype=torch.float64, **options):
+    options.setdefault("min_bucket", 1)  # compaction down to one row: the small batches here compact
     engine = RolloutEngine(model_args(name, "tiny_gqa", MAX_LEN), draft.args, TAPS, max_batch_size, MAX_LEN, DEVICE,
                            dtype, options=EngineOptions(**options))
     engine.load_weights(policy, draft)
@@ -353,7 +354,7 @@ def test_sampled_speculative_generation_is_lossless(mode):
                           generator=torch.Generator(DEVICE).manual_seed(6), adaptive=adaptive, **mode)
     for i, prompt in enumerate(prompts):
         dist = response_distributions(policy, prompt, depth, 0.8, 0.9, eos_id)
-        assert dist[depth - 1, eos_id] > 0.1  # many rows ended early
+        assert dist[depth - 1, eos_id] > 0.05  # many rows ended early
         for j in range(depth):
             assert_follows(out.tokens[i::2, len(prompt) + j], dist[j])
     assert compacted(engine) and out.acceptance_length > 1.0  # the draft was used
@@ -458,6 +459,20 @@ def test_controller_explores_then_refreshes():
     for _ in range(40):
         controller.new_call()
     assert controller.acceptance_rates() == pytest.approx([1.0] * 3, rel=1e-6)
+
+
+def test_controller_keeps_its_k_against_small_differences():
+    """A bucket switches K only for more than switch_gain (5%) more expected tokens per second."""
+    controller = GoodputController(2)
+    controller.observe_acceptance([999, 999], [999, 999])  # every draft accepted: 1, 2, 3 tokens
+    for K, cost in enumerate([1.0, 2.0, 3.0]):
+        controller.observe_cost(8, K, cost)
+    assert controller.choose(8, 2) == 0  # 1 token/s for every K: the first best
+    controller.cost[8, 2] = 3.0 / 1.04  # 4% better
+    assert controller.choose(8, 2) == 0
+    controller.cost[8, 2] = 3.0 / 1.06  # 6% better
+    assert controller.choose(8, 2) == 2
+    assert controller.choose(16, 2) == 2  # an unmeasured bucket explores, largest K first
 
 
 def test_adaptive_generation_follows_the_cost_table():

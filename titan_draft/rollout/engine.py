@@ -69,6 +69,9 @@ CACHE_WIDTH_LEVELS = 6
 # Timed replays per decode-step shape when adaptive K measures a new batch size (median kept).
 MEASURED_STEPS = 3
 
+# (row, kv head) pairs from which multi-query attention is folded: on the H200, 64 pairs (16 rows x
+# 4 kv heads) ran at 0.6-0.7x SDPA's cuDNN, 256 pairs at 1.4-3.5x (bench/results/decode_attention_h200.json).
+FOLDED_MIN_ROW_HEADS = 128
 # Multi-query cached attention: the memory-efficient kernel (math where it does not run: float64).
 _MULTI_QUERY_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -128,11 +131,16 @@ class GoodputController:
     row-steps that accepted everything, so that positions left unused long enough get tried again.
     a_k is made non-increasing in k, as the true rates are. Seconds per step: per (bucket, K) a
     running mean of measured step times; in a bucket every K gets a measurement (largest K first)
-    before any K is judged.
+    before any K is judged. A bucket keeps its last K unless another promises `switch_gain` more
+    tokens per second: measurement noise does not flip K (each new step shape costs a capture).
     """
 
-    def __init__(self, max_k: int, *, decay: float = 0.5, prior_steps: float = 1.0, cost_weight: float = 0.25):
+    def __init__(self, max_k: int, *, decay: float = 0.5, prior_steps: float = 1.0, cost_weight: float = 0.25,
+                 switch_gain: float = 0.05):
         self.max_k, self.decay, self.prior_steps, self.cost_weight = max_k, decay, prior_steps, cost_weight
+        self.switch_gain = switch_gain
+        self.last: dict[int, int] = {}
+        """bucket -> the K chosen last."""
         self.accepted = [0.0] * max_k
         self.drafted = [0.0] * max_k
         self.cost: dict[tuple[int, int], float] = {}
@@ -169,7 +177,13 @@ class GoodputController:
         for K in range(max_k, -1, -1):
             if (bucket, K) not in self.cost:
                 return K
-        return max(range(max_k + 1), key=lambda K: self.expected_tokens(K) / self.cost[bucket, K])
+        goodput = {K: self.expected_tokens(K) / self.cost[bucket, K] for K in range(max_k + 1)}
+        best = max(goodput, key=goodput.get)
+        last = self.last.get(bucket)
+        if last in goodput and goodput[best] <= (1 + self.switch_gain) * goodput[last]:
+            best = last
+        self.last[bucket] = best
+        return best
 
 
 class StepTimer:
@@ -253,10 +267,12 @@ def _attend(q, k_cache, v_cache, mask, scale=None):
     """q [B, S, Hq, D] against a static cache [B, L, Hkv, D] under mask [B, S, L].
 
     SDPA with enable_gqa, except for several queries per row on CUDA (verify windows, the draft's
-    trunk extension): there cuDNN, SDPA's choice on Hopper, ran its S >= 2 kernel at ~5x the cost
-    of its S = 1 decode kernel (bench/decode_attention.py), so `_attend_folded` runs them.
+    trunk extension) over many (row, kv head) pairs: there cuDNN, SDPA's choice on Hopper, ran its
+    S >= 2 kernel at 1.4-3.5x the time of `_attend_folded` (bench/decode_attention.py), which
+    only loses where too few pairs fill the GPU.
     """
-    if q.shape[1] > 1 and q.device.type == "cuda":
+    B, S = q.shape[:2]
+    if S > 1 and q.device.type == "cuda" and B * k_cache.shape[2] >= FOLDED_MIN_ROW_HEADS:
         return _attend_folded(q, k_cache, v_cache, mask, scale)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                                          attn_mask=mask[:, None], scale=scale,
@@ -315,12 +331,15 @@ class EngineOptions:
     compile: torch.compile the policy and draft forwards.
     cuda_graphs: replay prefill and decode steps as CUDA graphs (on CUDA devices; ignored elsewhere).
     compact: move the running rows to the front of the state when they fit a smaller bucket.
+    min_bucket: the fewest slots a compacted batch runs in. Below ~16 rows a step costs about the
+    same at any batch on the H200 (launch-bound), while every bucket adds step shapes to capture.
     """
 
     max_speculative_tokens: int = 8
     compile: bool = False
     cuda_graphs: bool = True
     compact: bool = True
+    min_bucket: int = 16
 
 
 class RolloutEngine:
@@ -337,7 +356,7 @@ class RolloutEngine:
         self.device, self.dtype = torch.device(device), dtype
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_k = options.max_speculative_tokens
-        self.compact = options.compact
+        self.compact, self.min_bucket = options.compact, options.min_bucket
         # Verify windows of finished rows and the last step may run K + 1 slots past max_seq_len.
         self.slots = max_seq_len + self.max_k + 1
 
@@ -676,10 +695,10 @@ class RolloutEngine:
         self._num_staged.zero_()
 
     def _bucket(self, running: int, B: int) -> int:
-        """Slots to run `running` rows in: the smallest power of two that holds them (at most B), so
-        that at most half the slots idle, and a call compacts (and captures graph sets) at most
-        log2(B) times."""
-        return min(B, 1 << (running - 1).bit_length()) if self.compact else B
+        """Slots to run `running` rows in: the smallest power of two that holds them (at least
+        min_bucket, at most B), so that at most half the slots idle, and a call compacts (and
+        captures graph sets) at most log2(B / min_bucket) times."""
+        return min(B, max(self.min_bucket, 1 << (running - 1).bit_length())) if self.compact else B
 
     def _cache_width(self, needed: int) -> int:
         """Cache slots a step attends: the smallest of slots, slots / 2, slots / 4, ... (rounded up,
