@@ -42,7 +42,8 @@ the longest row, counters). Attention reads only the live part of the caches: th
 few widths (the whole cache, then halvings) that holds the longest row plus a draft window.
 Multi-query attention (verify windows, the draft's trunk extension) folds GQA heads into query
 rows for the memory-efficient kernel (`_attend`). Adaptive K times every step shape of a new
-batch size once, before that call's prefill (`_measure_steps`), so rollouts do not explore.
+batch size once, before that call's prefill (`_measure_steps`), so rollouts do not explore
+(docs/DESIGN.md 4.4).
 """
 import time
 from contextlib import contextmanager
