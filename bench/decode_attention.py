@@ -31,10 +31,11 @@ def sdpa_gqa(q, k_cache, v_cache, mask):
 
 def milliseconds(attend, q, k_cache, v_cache, mask, iters: int) -> float:
     device = q.device
-    call = CapturedCall(lambda: attend(q, k_cache, v_cache, mask), torch.Generator(device),
-                        torch.cuda.graph_pool_handle() if device.type == "cuda" else None)
-    if device.type != "cuda":
-        call = call.fn
+
+    def fn():
+        attend(q, k_cache, v_cache, mask)
+
+    call = CapturedCall(fn, torch.Generator(device), torch.cuda.graph_pool_handle()) if device.type == "cuda" else fn
 
     def replays():
         for _ in range(REPLAYS):

@@ -11,8 +11,8 @@ import time
 import torch
 
 # Wall-clock measurements: the only metrics that may differ between two runs with one seed.
-TIMING_KEYS = frozenset({"rollout_time_s", "rollout_weights_s", "rollout_measure_s", "rollout_prefill_s", "rollout_decode_s",
-                         "rollout_tokens_per_s", "train_time_s", "draft_time_s"})
+TIMING_KEYS = frozenset({"rollout_time_s", "rollout_weights_s", "rollout_measure_s", "rollout_prefill_s",
+                         "rollout_decode_s", "rollout_tokens_per_s", "train_time_s", "draft_time_s"})
 
 
 class MetricsLogger:

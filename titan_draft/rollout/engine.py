@@ -453,8 +453,7 @@ class RolloutEngine:
         """
         B = tokens.shape[0]
         rows = torch.arange(B, device=tokens.device)[:, None]
-        width = width or self.slots
-        mask = torch.arange(width, device=tokens.device) <= positions[..., None]  # [B, S, width]
+        mask = self._visible(positions, width)  # [B, S, width]
         rope = self._rope_table()
         emb = self.policy.tok_embeddings(tokens)
         h, taps = emb, []
@@ -499,8 +498,8 @@ class RolloutEngine:
         q, k, v = self.draft.project_qkv(next_emb.flatten(0, 1), hidden.flatten(0, 1), anchors.flatten())
         self.draft_k[rows[:, None], anchors] = k.view(B, W, *k.shape[1:])
         self.draft_v[rows[:, None], anchors] = v.view(B, W, *v.shape[1:])
-        width = width or self.slots
-        mask = torch.arange(width, device=q.device) <= anchors[..., None]  # trunk slots <= anchor
+        mask = self._visible(anchors, width)  # trunk slots <= anchor
+        width = mask.shape[-1]
         out = _attend(q.view(B, W, *q.shape[1:]), self.draft_k[:B, :width], self.draft_v[:B, :width], mask)
         hidden = self.draft.complete(out, hidden)
         return hidden[rows, count - 1]
@@ -521,10 +520,15 @@ class RolloutEngine:
         q, key, value = self.draft.project_qkv(emb, hidden, slot)
         self.draft_k[rows, slot] = key
         self.draft_v[rows, slot] = value
-        width = width or self.slots
-        mask = torch.arange(width, device=emb.device) <= slot[:, None]
-        out = _attend(q[:, None], self.draft_k[:B, :width], self.draft_v[:B, :width], mask[:, None])
+        mask = self._visible(slot[:, None], width)
+        width = mask.shape[-1]
+        out = _attend(q[:, None], self.draft_k[:B, :width], self.draft_v[:B, :width], mask)
         return self.draft.complete(out[:, 0], hidden)
+
+    def _visible(self, last: torch.Tensor, width: int | None) -> torch.Tensor:
+        """The attention mask [*last.shape, width] of queries that see cache slots 0..last (every
+        cache holds slot = RoPE position) among the first `width` slots (default all)."""
+        return torch.arange(width or self.slots, device=last.device) <= last[..., None]
 
     def _propose(self, hidden, anchor, K, temperature, top_p, noise, width):
         """K chained draft tokens [B, K] and their distributions [B, K, V] (target vocabulary, 0
@@ -707,15 +711,16 @@ class RolloutEngine:
         caches, not all of it, in a few step shapes (CUDA graphs) per call."""
         width = self.slots
         for _ in range(CACHE_WIDTH_LEVELS - 1):
-            if -(-width // 2) < needed:
+            half = -(-width // 2)
+            if half < needed:
                 break
-            width = -(-width // 2)
+            width = half
         return width
 
     def _measure_steps(self, B0: int, K: int, temperature: float, top_p: float, width: int) -> None:
         """Capture (on CUDA) and time every decode step a call of B0 rows can run at `width`, each
-        active-row bucket with k = 0..K drafts, and give the times to the controller: adaptive K then starts
-        from measured costs. Exploring inside rollouts instead ran each new shape eagerly, then
+        active-row bucket with k = 0..K drafts, and give the times to the controller: adaptive K
+        then starts from measured costs. Exploring inside rollouts instead ran each new shape eagerly, then
         captured it, at tens of ms apiece on the H200, against ~1 ms per replayed step.
         Runs before the call's prefill on a dummy state (every row finishes at its first step, so
         no slot past the first few is written) and before the call seeds its generator: the
