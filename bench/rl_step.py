@@ -17,7 +17,8 @@ reported for every step. The draft's share of the RL train time is train_step's 
   python -m bench.rl_step --preset gpu_long       # one H200: long answers, 8 rollouts per step
   python -m bench.rl_step --preset gpu_tail       # one H200: arith, heavy-tailed answer lengths, 512 rollouts
   python -m bench.rl_step --preset cpu -- --rl.prompts_per_step 64   # any job config override after --
-Prints a table and writes bench/results/rl_step_<preset>.json (--out to change).
+Prints a table and writes bench/results/rl_step_<preset>.json (--out to change). --profile also writes
+<out>.profile.txt: torch.profiler's per-op tables (device and host time) of one more step per mode.
 """
 import argparse
 import copy
@@ -52,6 +53,7 @@ def parse_args():
     p.add_argument("--steps", type=int, help="timed RL steps per mode (after --skip)")
     p.add_argument("--skip", type=int, help="first RL steps per mode left out of the time statistics")
     p.add_argument("--out", help="JSON output path (default bench/results/rl_step_<preset>.json)")
+    p.add_argument("--profile", action="store_true", help="per-op tables of one more step per mode")
     args = p.parse_args()
     preset = resolve_preset(args, PRESETS)
     args.steps = preset["steps"] if args.steps is None else args.steps
@@ -137,6 +139,24 @@ def print_tables(a, cfg, table: dict, records: dict, speedups: dict) -> None:
                                                                    for m in MODES))
 
 
+def profile_steps(steps: dict, device: torch.device, path: str) -> None:
+    """torch.profiler's per-op tables of one call of each step: by device time, then by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with open(path, "w") as f:
+        for name, step in steps.items():
+            with profile(activities=activities) as prof:
+                step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            table = prof.key_averages()
+            for sort in (["cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
+                f.write(f"## {name}: sorted by {sort}\n")
+                f.write(table.table(sort_by=sort, row_limit=30, max_name_column_width=60) + "\n")
+    print(f"wrote {path}")
+
+
 def main():
     a = parse_args()
     cfg = job_config(a.config, a.overrides)
@@ -170,6 +190,9 @@ def main():
               "reward_per_step": {mode: [r["reward_mean"] for r in records[mode]] for mode in MODES},
               "steps": records}
     write_json(a.out, report)
+    if a.profile:
+        profile_steps({mode: step_of(states[mode]) for mode in MODES}, job.device,
+                      os.path.splitext(a.out)[0] + ".profile.txt")
     job.metrics.close()
     print(f"wrote {a.out}")
 

@@ -22,7 +22,7 @@ def run_bench(module: str, *args: str, timeout: int = 600) -> None:
 
 def test_rl_step_bench_compares_the_draft_modes_from_one_state(tmp_path):
     out = tmp_path / "rl_step.json"
-    run_bench("bench.rl_step", "--preset", "tiny", "--out", str(out))
+    run_bench("bench.rl_step", "--preset", "tiny", "--out", str(out), "--profile")
     report = json.loads(out.read_text())
     modes = ("none", "frozen", "cotrain")
     assert tuple(report["table"]) == modes
@@ -40,6 +40,10 @@ def test_rl_step_bench_compares_the_draft_modes_from_one_state(tmp_path):
         assert report["speedups"][f"step_none_over_{mode}"] == table["none"]["step_s"] / table[mode]["step_s"]
     for record in report["steps"]["cotrain"]:
         assert record["rollout_s"] + record["train_s"] <= record["step_s"]  # the step timing holds both parts
+    profile = (tmp_path / "rl_step.profile.txt").read_text()
+    for mode in modes:  # one host-time table per mode (CPU), naming the ops the step ran
+        assert f"## {mode}: sorted by self_cpu_time_total" in profile
+    assert "aten::mm" in profile
 
 
 def test_rollout_speedup_bench_smoke(tmp_path):
