@@ -54,6 +54,8 @@ def parse_args():
     p.add_argument("--skip", type=int, help="first RL steps per mode left out of the time statistics")
     p.add_argument("--out", help="JSON output path (default bench/results/rl_step_<preset>.json)")
     p.add_argument("--profile", action="store_true", help="per-op tables of one more step per mode")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="[draft] modes to run (default all; the none / mode ratios need none)")
     args = p.parse_args()
     preset = resolve_preset(args, PRESETS)
     args.steps = preset["steps"] if args.steps is None else args.steps
@@ -130,13 +132,15 @@ def print_tables(a, cfg, table: dict, records: dict, speedups: dict) -> None:
               f"{t['acceptance_length']:>7.2f} {t['rollout_tokens_per_s']:>14.0f} {t['step_tokens_per_s']:>11.0f} "
               f"{t['reward_mean']:>7.3f}")
     for mode in ("frozen", "cotrain"):
+        if f"step_none_over_{mode}" not in speedups:
+            continue
         print(f"step time none / {mode} = {speedups[f'step_none_over_{mode}']:.3f}   rollout time none / {mode} = "
               f"{speedups[f'rollout_none_over_{mode}']:.3f}")
     print("\nreward per RL step (* = left out of the time statistics)")
-    print(f"{'step':>5} " + " ".join(f"{mode:>8}" for mode in MODES))
+    print(f"{'step':>5} " + " ".join(f"{mode:>8}" for mode in records))
     for i in range(a.skip + a.steps):
         print(f"{i + 1:>4}{'*' if i < a.skip else ' '} " + " ".join(f"{records[m][i]['reward_mean']:>8.3f}"
-                                                                   for m in MODES))
+                                                                   for m in records))
 
 
 def profile_steps(steps: dict, device: torch.device, path: str) -> None:
@@ -163,19 +167,19 @@ def main():
     job, draft_opt, warm_start_s = warm_started_job(cfg, tempfile.mkdtemp(prefix="rl_step_bench_"))
     print(f"warm start (SFT, draft warm-up): {warm_start_s:.1f} s ({cfg.model.flavor} policy, task "
           f"{cfg.task.name}, {job.device})", flush=True)
-    states = {mode: mode_state(job, draft_opt, mode) for mode in MODES}
+    states = {mode: mode_state(job, draft_opt, mode) for mode in a.modes}
 
     def progress(i, mode, seconds, r):
         print(f"step {i + 1:>3} {mode:<8} {seconds:.3f} s (rollout {r['rollout_s']:.3f}, train {r['train_s']:.3f}, "
               f"draft {r['draft_s']:.3f}) acceptance {r['acceptance_length']:.2f} reward {r['reward_mean']:.3f}",
               flush=True)
 
-    timed = alternate({mode: step_of(states[mode]) for mode in MODES}, a.skip + a.steps, job.device,
+    timed = alternate({mode: step_of(states[mode]) for mode in a.modes}, a.skip + a.steps, job.device,
                       report=progress)
     records = {mode: [{"step_s": seconds, **r} for seconds, r in steps] for mode, steps in timed.items()}
-    table = {mode: summarise(records[mode][a.skip:]) for mode in MODES}
+    table = {mode: summarise(records[mode][a.skip:]) for mode in a.modes}
     speedups = {}
-    for mode in ("frozen", "cotrain"):
+    for mode in [m for m in ("frozen", "cotrain") if m in table and "none" in table]:
         speedups[f"step_none_over_{mode}"] = table["none"]["step_s"] / table[mode]["step_s"]
         speedups[f"rollout_none_over_{mode}"] = table["none"]["rollout_s"] / table[mode]["rollout_s"]
     print_tables(a, cfg, table, records, speedups)
@@ -187,11 +191,11 @@ def main():
               "task": dataclasses.asdict(cfg.task), "rl": dataclasses.asdict(cfg.rl),
               "rollout": dataclasses.asdict(cfg.rollout), "warm_start_s": warm_start_s, "skip": a.skip,
               "table": table, "speedups": speedups,
-              "reward_per_step": {mode: [r["reward_mean"] for r in records[mode]] for mode in MODES},
+              "reward_per_step": {mode: [r["reward_mean"] for r in records[mode]] for mode in a.modes},
               "steps": records}
     write_json(a.out, report)
     if a.profile:
-        profile_steps({mode: step_of(states[mode]) for mode in MODES}, job.device,
+        profile_steps({mode: step_of(states[mode]) for mode in a.modes}, job.device,
                       os.path.splitext(a.out)[0] + ".profile.txt")
     job.metrics.close()
     print(f"wrote {a.out}")

@@ -4,7 +4,8 @@ The policy (torchtitan llama3, GQA, float64) runs packed documents of odd length
 all-gather attention on zigzag shards (apply_context_parallel once, then a ContextShard per batch);
 its cross-entropy on loss_mask rows and the draft's TTT loss (cotrain.draft_loss: the shard's
 HaloShift + cp_branch_attention) are normalised by counts over the CP group. Losses, logits and every parameter gradient (summed over the CP group, as FSDP over
-dp_shard x cp does) must equal the CP = 1 step on the unpadded batch.
+dp_shard x cp does) must equal the CP = 1 step on the unpadded batch; so must the step whose draft runs on
+drawn documents only (draft.train_fraction < 1: ContextShard.documents).
 """
 import copy
 
@@ -23,6 +24,7 @@ from titan_draft.parallel.cp_attention import MODES
 
 FLAVOR, MAX_LEN, LAYERS, TTT_STEPS, PASS_DECAY = "tiny_gqa", 128, [0, 1, 3], 3, 0.8
 LENGTHS = [7, 13, 1, 9, 5]
+DRAWN = torch.tensor([1, 2, 4])  # draft.train_fraction < 1: the draft runs on these documents only
 
 
 def _models():
@@ -44,7 +46,7 @@ def _batch():
     return pack(sequences, masks)
 
 
-def _step(policy, draft, batch, group):
+def _step(policy, draft, batch, group, documents=None):
     """Policy cross-entropy and draft TTT loss (both normalised over `group`), backward; logits."""
     shift = batch.shift(TTT_STEPS)
     with TapRecorder(policy, LAYERS) as recorder:
@@ -55,7 +57,8 @@ def _step(policy, draft, batch, group):
         dist.all_reduce(count, group=group)
     policy_loss = F.cross_entropy(logits[mask], shift(batch.tokens, 1)[mask], reduction="sum") / count
     spec = CoTrainSpec(LAYERS, ttt_steps=TTT_STEPS, pass_decay=PASS_DECAY)
-    ttt, _ = draft_loss(draft, recorder.embeddings(), recorder.taps(), logits, batch, spec, group=group)
+    ttt, _ = draft_loss(draft, recorder.embeddings(), recorder.taps(), logits, batch, spec, group=group,
+                        documents=documents)
     (policy_loss + ttt).backward()
     return policy_loss.detach(), ttt.detach(), logits.detach()
 
@@ -73,8 +76,12 @@ def _training_errors(rank, world_size):
     policy, draft = _models()
     batch = _batch()
 
-    ref_policy_loss, ref_ttt, ref_logits = _step(policy, draft, batch, None)
-    ref_grads = _grads(policy, draft)
+    references = {}
+    for documents in (None, DRAWN):
+        policy.zero_grad(set_to_none=True)
+        draft.zero_grad(set_to_none=True)
+        references[documents is None] = (*_step(policy, draft, batch, None, documents), _grads(policy, draft))
+    ref_policy_loss, ref_ttt, ref_logits, ref_grads = references[True]
     padded, real_rows = pad_documents(batch, 2 * world_size)
     ref_logits_padded = torch.zeros(padded.num_tokens, ref_logits.shape[1], dtype=ref_logits.dtype)
     ref_logits_padded[real_rows] = ref_logits
@@ -84,20 +91,23 @@ def _training_errors(rank, world_size):
     local_ref_logits = zigzag_shard(ref_logits_padded, padded.cu_seqlens, world_size, rank)
 
     errors = {}
-    for mode in MODES:
+    cases = {mode: None for mode in MODES} | {"ring_drawn_documents": DRAWN}
+    for case, documents in cases.items():
+        mode = case.split("_")[0]
+        ref_policy_loss, ref_ttt, _, ref_grads = references[documents is None]
         cp_policy = copy.deepcopy(policy)
         apply_context_parallel(cp_policy, mesh, mode)  # once, like TP and FSDP
         cp_policy.zero_grad(set_to_none=True)
         draft.zero_grad(set_to_none=True)
         local = shard_batch_for_cp(batch, mesh, mode)
-        policy_loss, ttt, logits = _step(cp_policy, draft, local, group)
+        policy_loss, ttt, logits = _step(cp_policy, draft, local, group, documents)
         losses = torch.stack([policy_loss, ttt])
         dist.all_reduce(losses, group=group)
         grads = _grads(cp_policy, draft)
         for g in grads.values():
             dist.all_reduce(g, group=group)
         assert grads.keys() == ref_grads.keys()
-        errors[mode] = {
+        errors[case] = {
             "policy_loss": abs(losses[0] - ref_policy_loss).item(),
             "draft_loss": abs(losses[1] - ref_ttt).item(),
             "logits": (logits - local_ref_logits)[local_real].abs().max().item(),
@@ -105,8 +115,10 @@ def _training_errors(rank, world_size):
             "draft_grads": max((grads[k] - ref_grads[k]).abs().max().item() for k in grads if k[0] == "1"),
             "count": global_count(local.loss_mask.sum(), mesh).item() - batch.loss_mask.sum().item(),
         }
+    ref_policy_loss, ref_ttt, _, ref_grads = references[True]
     errors["scale"] = {"policy_loss": ref_policy_loss.item(), "draft_loss": ref_ttt.item(),
-                       "grad_max": max(g.abs().max().item() for g in ref_grads.values())}
+                       "grad_max": max(g.abs().max().item() for g in ref_grads.values()),
+                       "drawn_draft_loss_differs": abs(references[False][1] - ref_ttt).item()}
     return errors
 
 
@@ -115,6 +127,7 @@ def test_cotraining_step_equals_cp1(world_size):
     results = run_distributed(_training_errors, world_size, timeout=150)
     for rank, errors in enumerate(results):
         assert errors["scale"]["grad_max"] > 1e-3  # the comparison below is not of zeros
-        for mode in MODES:
-            assert errors[mode]["count"] == 0
-            assert max(errors[mode].values()) < 1e-10, f"rank {rank} {mode}: {errors[mode]}"
+        assert errors["scale"]["drawn_draft_loss_differs"] > 1e-6  # drawing documents changes the loss
+        for case in (*MODES, "ring_drawn_documents"):
+            assert errors[case]["count"] == 0
+            assert max(errors[case].values()) < 1e-10, f"rank {rank} {case}: {errors[case]}"

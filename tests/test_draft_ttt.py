@@ -5,12 +5,13 @@ the full [T, d*T] (trunk + branch) mask over the keys of all passes so far, and 
 cross-entropy anchor by anchor. The product path is EagleDraft.ttt_forward + DocumentShift +
 titan_draft.ops.branch_attention + ttt_loss (and cotrain.draft_loss, which wraps them).
 """
+import itertools
 import math
 
 import pytest
 import torch
 
-from titan_draft.cotrain import CoTrainSpec, draft_loss, draft_metrics
+from titan_draft.cotrain import CoTrainSpec, draft_loss, draft_metrics, sample_documents
 from titan_draft.models.draft import DraftArgs, EagleDraft, build_draft_vocab, ttt_loss
 from titan_draft.ops import branch_attention
 from titan_draft.packing import DocumentShift, pack
@@ -183,6 +184,58 @@ def test_cotrain_draft_loss_is_the_same_loss():
     for g_got, g_want in zip(got, want):
         assert rel_err(g_got, g_want) < 1e-6
     assert set(metrics) == {"draft_loss", "draft_acc_pass1", "draft_acc_pass2", "draft_acc_pass3"}
+
+
+def test_packed_documents_are_the_documents_packed_alone():
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, 50, (n,), generator=g) for n in LENGTHS]
+    masks = [torch.rand(n, generator=g) < 0.6 for n in LENGTHS]
+    batch = pack(docs, masks)
+    index = torch.tensor([0, 3, 5, 6])
+    sub, rows = batch.documents(index)
+    alone = pack([docs[i] for i in index], [masks[i] for i in index])
+    for field in ("tokens", "positions", "cu_seqlens", "loss_mask"):
+        assert torch.equal(getattr(sub, field), getattr(alone, field)), field
+    assert sub.max_seqlen == alone.max_seqlen == 9
+    assert torch.equal(batch.tokens[rows], alone.tokens)
+
+
+def test_sampled_documents_give_an_unbiased_loss_and_gradient():
+    """draft.train_fraction: the draft loss on k of the N documents, reweighted, averaged over all C(N, k)
+    equally likely draws, equals the loss and gradients over all N documents exactly (float64)."""
+    draft = make_draft(11)
+    emb, taps, teacher, loss_mask = inputs(11)
+    batch = pack(list(torch.zeros(sum(LENGTHS), dtype=torch.long).split(LENGTHS)), list(loss_mask.split(LENGTHS)))
+    spec = CoTrainSpec([0], ttt_steps=3, pass_decay=PASS_DECAY)
+    params = list(draft.parameters())
+    full = draft_loss(draft, emb, taps, teacher, batch, spec)[0]
+    want = torch.autograd.grad(full, params)
+    draws = list(itertools.combinations(range(len(LENGTHS)), 3))
+    mean_loss, mean_grads = 0.0, [torch.zeros_like(p) for p in params]
+    for draw in draws:
+        loss, per_pass = draft_loss(draft, emb, taps, teacher, batch, spec, documents=torch.tensor(draw))
+        mean_loss += loss.item() / len(draws)
+        for acc, g in zip(mean_grads, torch.autograd.grad(loss, params)):
+            acc += g / len(draws)
+        assert per_pass[0, 1] < sum(int(n) for n in loss_mask)  # the metrics count the drawn documents only
+    assert mean_loss == pytest.approx(full.item(), rel=1e-12)
+    for got, expected in zip(mean_grads, want):  # float64 up to torchtitan's float32 RoPE (as above)
+        assert rel_err(got, expected) < 1e-6
+    # one draw is not the full loss (the comparison above is not trivially of equal terms)
+    assert abs(draft_loss(draft, emb, taps, teacher, batch, spec, documents=torch.tensor(draws[0]))[0] - full) > 1e-3
+
+
+def test_sample_documents_draws_a_fraction_without_replacement():
+    g = torch.Generator().manual_seed(0)
+    state = g.get_state()
+    assert sample_documents(10, 1.0, g) is None and torch.equal(g.get_state(), state)  # 1: nothing drawn
+    drawn = sample_documents(10, 0.25, g)
+    assert len(drawn) == 3 and drawn.tolist() == sorted(set(drawn.tolist())) and 0 <= drawn.min() <= drawn.max() < 10
+    assert len(sample_documents(3, 0.01, g)) == 1  # at least one document
+    counts = torch.zeros(10)
+    for _ in range(2000):  # every document equally likely
+        counts[sample_documents(10, 0.3, g)] += 1
+    assert (counts / 2000 - 0.3).abs().max() < 0.05
 
 
 def test_ttt_loss_counts_valid_pairs_on_hand_example():

@@ -45,6 +45,11 @@ CASES = [  # (world size, overrides, exact message)
      "policy's 4 layers; use 1F1B or GPipe, or a smaller degree"),
     (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Bogus"],
      "parallelism.pipeline_parallel_schedule: 'Bogus' is unknown; use 1F1B, GPipe or Interleaved1F1B"),
+    (1, ["--draft.cotrain_lr", "-1"], "draft.cotrain_lr: -1.0 must be >= 0 (0 = draft.lr)"),
+    (1, ["--draft.train_fraction", "0"], "draft.train_fraction: 0.0 must be in (0, 1] (1 = every rollout)"),
+    (2, ["--parallelism.pipeline_parallel_degree", "2", "--draft.train_fraction", "0.5"],
+     "draft.train_fraction: 0.5 needs the draft on whole batches, but pipeline stages train it per microbatch; set "
+     "it to 1 or parallelism.pipeline_parallel_degree to 1"),
     (1, ["--checkpoint.async_mode", "async"],
      "checkpoint.async_mode: 'async' is not supported; use 'disabled'"),
     (1, ["--checkpoint.last_save_in_hf"],

@@ -80,6 +80,19 @@ def test_policy_update_is_the_same_in_every_draft_mode(tmp_path):
     for mode in ("cotrain", "frozen"):  # the draft's part of the step is timed, and is a part of it
         assert 0 < after[mode][2]["draft_time_s"] < after[mode][2]["train_time_s"], mode
     assert "draft_time_s" not in after["none"][2]
+
+    # draft.train_fraction 0.5: the same policy update; the draft trained on half of the rollouts (and
+    # draft.cotrain_lr: RL's own draft learning rate, draft.lr otherwise)
+    assert state.draft_opt.optimizer.param_groups[0]["lr"] == cfg.draft.lr
+    half_cfg = copy.deepcopy(cfg)
+    half_cfg.draft.train_fraction, half_cfg.draft.cotrain_lr = 0.5, 3e-4
+    half_policy, half_draft, half_opt = copy.deepcopy((policy, draft, state.draft_opt))
+    s = RLState.create(dataclasses.replace(job, cfg=half_cfg, policy=half_policy, draft=half_draft), half_opt)
+    assert half_opt.optimizer.param_groups[0]["lr"] == 3e-4
+    stats = train_step(s, copy.deepcopy(rollouts))
+    assert same(params(half_policy), after["cotrain"][0]) and stats["policy_loss"] == after["cotrain"][2]["policy_loss"]
+    assert not same(params(half_draft), draft_before) and not same(params(half_draft), after["cotrain"][1])
+    assert stats["draft_loss"] != after["cotrain"][2]["draft_loss"]  # measured on the drawn rollouts
     metrics.close()
 
 

@@ -61,11 +61,18 @@ class Draft:
     pass_decay: float = 0.8
     """Pass d is weighted pass_decay**(d-1)."""
     lr: float = 1e-3
-    """Draft learning rate (AdamW) for warm-up and co-training."""
+    """Draft learning rate (AdamW) for warm-up, and for co-training unless cotrain_lr is set."""
+    cotrain_lr: float = 0.0
+    """Draft learning rate during RL co-training; 0 = draft.lr. A converged draft fine-tuned online at the
+    warm-up's rate can lose acceptance to a few noisy updates (README "Co-training's cost")."""
     max_norm: float = 1.0
     """Gradient-norm clip of the draft's parameter group."""
     warmup_steps: int = 200
     """Offline draft training steps on the SFT policy's taps before RL."""
+    train_fraction: float = 1.0
+    """Fraction of each RL step's rollouts (whole documents, drawn at random) the draft runs on, its loss
+    reweighted to an unbiased estimate of the loss over all of them; < 1 cuts the draft's share of the
+    train time (README "Co-training's cost")."""
     cp_mode: Literal["ring", "allgather"] = "ring"
     """Context-parallel attention (policy and draft) when parallelism.context_parallel_degree > 1."""
     restore_after_skips: int = 3
@@ -157,6 +164,8 @@ def validate(cfg, world_size: int) -> None:
          f"vocabulary ({vocab_size}); use 1..{vocab_size} (0 = all)")
     need(d.pass_decay > 0, f"draft.pass_decay: {d.pass_decay} must be > 0")
     need(d.lr > 0 and d.loss_weight >= 0, "draft.lr must be > 0 and draft.loss_weight >= 0")
+    need(d.cotrain_lr >= 0, f"draft.cotrain_lr: {d.cotrain_lr} must be >= 0 (0 = draft.lr)")
+    need(0 < d.train_fraction <= 1, f"draft.train_fraction: {d.train_fraction} must be in (0, 1] (1 = every rollout)")
     need(rl.group_size >= 2, f"rl.group_size: {rl.group_size} must be >= 2 (GRPO compares samples of one prompt)")
     need(rl.prompts_per_step >= 1, f"rl.prompts_per_step: {rl.prompts_per_step} must be >= 1")
     need(ro.num_speculative_tokens >= 1, f"rollout.num_speculative_tokens: {ro.num_speculative_tokens} must be >= 1")
@@ -198,6 +207,8 @@ def validate(cfg, world_size: int) -> None:
          f"2 * context_parallel_degree = {2 * cp}; use a multiple of {2 * cp}")
     pp = p.pipeline_parallel_degree
     need(pp <= n_layers, f"parallelism.pipeline_parallel_degree: {pp} exceeds the policy's {n_layers} layers")
+    need(pp == 1 or d.train_fraction == 1, f"draft.train_fraction: {d.train_fraction} needs the draft on whole "
+         "batches, but pipeline stages train it per microbatch; set it to 1 or parallelism.pipeline_parallel_degree to 1")
     _validate_composition(cfg, world_size, args, need)
 
 

@@ -7,6 +7,7 @@ policy's update. Every layout (one process, FSDP/TP/CP, pipeline stages) calls `
 `ttt_loss` with a CoTrainSpec, and steps through one DraftOptimizer.
 """
 import copy
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -32,19 +33,50 @@ class CoTrainSpec:
 
 
 def draft_loss(draft: EagleDraft, emb: torch.Tensor, taps: torch.Tensor, teacher_logits: torch.Tensor,
-               batch: PackedBatch, spec: CoTrainSpec, group: dist.ProcessGroup | None = None):
+               batch: PackedBatch, spec: CoTrainSpec, group: dist.ProcessGroup | None = None,
+               documents: torch.Tensor | None = None):
     """(loss, per-pass sums [D, (agree, n, ce_sum)] over `group`): the TTT loss normalised by the valid
     (anchor, pass) pairs of all ranks in `group`. The batch says how its rows attend and shift (whole,
-    or a context-parallel shard)."""
+    or a context-parallel shard).
+
+    documents (ascending indices into the batch's documents, drawn uniformly without replacement, see
+    sample_documents): the draft runs on those only. Their loss sum is scaled by (documents in the batch /
+    documents drawn) and normalised by the pairs of ALL documents, so that its expectation over the draw
+    is exactly the loss over the whole batch (docs/DESIGN.md 2.3); the per-pass sums are the drawn ones'."""
+    count, scale = None, 1.0
+    if documents is not None:
+        count = valid_pairs(batch.loss_mask, batch.shift(spec.ttt_steps), spec.ttt_steps)
+        scale = (len(batch.cu_seqlens) - 1) / len(documents)
+        batch, rows = batch.documents(documents)
+        emb, taps, teacher_logits = emb[rows], taps[rows], teacher_logits[rows]
     shift = batch.shift(spec.ttt_steps)
     states = draft.ttt_forward(emb.detach(), taps.detach(), batch.positions, spec.ttt_steps, shift,
                                batch.draft_attention)
-    total, count, stats = ttt_loss(draft, states, teacher_logits.detach(), batch.loss_mask, shift, spec.pass_decay)
+    total, drawn_count, stats = ttt_loss(draft, states, teacher_logits.detach(), batch.loss_mask, shift,
+                                         spec.pass_decay)
+    total, count = total * scale, drawn_count if count is None else count
     per_pass = torch.stack([torch.stack(s) for s in stats]).float()
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(count, group=group)
         dist.all_reduce(per_pass, group=group)
     return total / count.clamp(min=1), per_pass
+
+
+def valid_pairs(loss_mask: torch.Tensor, shift, ttt_steps: int) -> torch.Tensor:
+    """The number of (anchor, pass) pairs ttt_loss trains on: pass d at row t when row t + d of its
+    document is trained."""
+    mask = loss_mask.to(torch.float32)
+    return sum(shift(mask, d).sum() for d in range(1, ttt_steps + 1))
+
+
+def sample_documents(num_documents: int, fraction: float, generator: torch.Generator) -> torch.Tensor | None:
+    """ceil(fraction x num_documents) document indices drawn uniformly without replacement, ascending; None
+    (nothing drawn, the generator untouched) when fraction is 1: every document."""
+    if fraction >= 1:
+        return None
+    drawn = max(1, math.ceil(fraction * num_documents))
+    order = torch.randperm(num_documents, generator=generator, device=generator.device)
+    return order[:drawn].sort().values.cpu()
 
 
 def draft_metrics(per_pass: torch.Tensor) -> dict[str, float]:
@@ -71,6 +103,11 @@ class DraftOptimizer:
         self.max_norm, self.restore_after = draft_cfg.max_norm, draft_cfg.restore_after_skips
         self.skipped = self.restores = self.skips_in_a_row = 0
         self._before_last_update = None
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next updates (co-training's, after the warm-up's)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def step(self, loss: torch.Tensor) -> bool:
         """Apply the gradients already in .grad; returns False (and counts it) when skipped. `loss` must be

@@ -40,6 +40,12 @@ class PackedBatch:
         """The draft's trunk + branch attention over these rows (ops/branch_attention.py)."""
         return branch_attention(q, k, v, branch_k, branch_v, cu_seqlens=self.cu_seqlens, scale=scale)
 
+    def documents(self, index: torch.Tensor) -> tuple["PackedBatch", torch.Tensor]:
+        """(the documents `index` (ascending) as a batch of their own, their rows in this batch)."""
+        rows, lengths = document_rows(self.cu_seqlens, index)
+        return PackedBatch(self.tokens[rows], self.positions[rows], cu_seqlens_from_lengths(lengths),
+                           self.loss_mask[rows], int(lengths.max())), rows
+
     def shift(self, max_shift: int) -> "DocumentShift":
         """shift(x, d) for d <= max_shift: row t reads row t + d of its document (the draft's targets)."""
         return DocumentShift(self.cu_seqlens)
@@ -64,6 +70,15 @@ class DocumentShift:
 def cu_seqlens_from_lengths(lengths: list[int] | torch.Tensor) -> torch.Tensor:
     lengths = torch.as_tensor(lengths, dtype=torch.int32)
     return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def document_rows(cu_seqlens: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows of documents `index` in order, their lengths) in a batch with boundaries cu_seqlens."""
+    index = index.to(cu_seqlens.device).long()
+    starts, lengths = cu_seqlens[index].long(), cu_seqlens.diff()[index].long()
+    firsts = torch.cumsum(lengths, 0) - lengths  # where each document starts among the selected rows
+    rows = torch.arange(int(lengths.sum()), device=cu_seqlens.device) + (starts - firsts).repeat_interleave(lengths)
+    return rows, lengths
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,8 @@ class WholePolicy:
             with self.draft_timer():
                 with self.amp, torch.set_grad_enabled(mode == "cotrain"):
                     total, per_pass = draft_loss(self.draft, taps.embeddings(), taps.taps(), logits, batch,
-                                                 self.spec, group=loss_group(self.dims))
+                                                 self.spec, group=loss_group(self.dims),
+                                                 documents=rollouts.draft_documents)
                 if mode == "cotrain":
                     (loss_scale(self.dims) * self.spec.loss_weight * total).backward()
         policy_sums = torch.cat([sum_over_dp(sums, self.dims, "loss"), num_tokens[None]])

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from titan_draft.checkpoint import IN_RL, SFT_DONE, WARMUP_DONE, JobCheckpoint, OptimizerState
 from titan_draft.config import ConfigError, parse_config, validate
-from titan_draft.cotrain import DraftOptimizer
+from titan_draft.cotrain import DraftOptimizer, sample_documents
 from titan_draft.grpo import group_advantages
 from titan_draft.job import Job, build_job, warm_start
 from titan_draft.job_guard import die_with_launcher, lock_dump_folder
@@ -65,6 +65,7 @@ class RLState:
                                max_batch_size=cfg.rl.prompts_per_step * cfg.rl.group_size,
                                max_seq_len=cfg.training.seq_len, device=job.device,
                                dtype=compute_dtype(cfg.training.mixed_precision_param, job.device))
+        draft_opt.set_lr(cfg.draft.cotrain_lr or cfg.draft.lr)  # RL's rate from here on (a resumed state keeps it)
         return cls(job, policy, draft_opt, engine)
 
     @property
@@ -144,7 +145,11 @@ def train_step(s: RLState, r: Rollouts) -> dict:
     cfg, job = s.cfg, s.job
     t1 = time.perf_counter()
     rewards = job.task.rewards(r.prompts, r.responses())
-    batch = RolloutBatch(r.tokens, r.prompt_lengths, r.response_lengths, group_advantages(rewards, cfg.rl.group_size))
+    # The rollouts the draft runs on this step (all of them unless draft.train_fraction < 1).
+    documents = None if cfg.draft.mode == "none" else sample_documents(len(r.tokens), cfg.draft.train_fraction,
+                                                                         job.generators["rollout"])
+    batch = RolloutBatch(r.tokens, r.prompt_lengths, r.response_lengths, group_advantages(rewards, cfg.rl.group_size),
+                         draft_documents=documents)
     sums = s.policy.forward_backward(batch)
 
     params = [p for part in s.policy.parts for p in part.parameters()]

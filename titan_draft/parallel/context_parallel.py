@@ -21,7 +21,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from titan_draft.packing import PackedBatch
+from titan_draft.packing import PackedBatch, cu_seqlens_from_lengths
 from titan_draft.parallel.cp_attention import MODES, CpGroup, cp_branch_attention
 from titan_draft.parallel.halo import HaloShift
 from titan_draft.parallel.zigzag import pad_documents, shard_batch
@@ -56,6 +56,16 @@ class ContextShard(PackedBatch):
     def draft_attention(self, q, k, v, branch_k=None, branch_v=None, scale=None):
         return cp_branch_attention(q, k, v, branch_k, branch_v, cu_seqlens=self.global_cu_seqlens,
                                    cp=CpGroup(self.cp_mesh, self.mode), scale=scale)
+
+    def documents(self, index: torch.Tensor) -> tuple["ContextShard", torch.Tensor]:
+        """This rank's rows of documents `index` (ascending) as a shard of their own (every rank of the
+        CP group must pass the same index), and their rows in this shard."""
+        local, rows = super().documents(index)
+        index = index.to(self.global_cu_seqlens.device).long()
+        return ContextShard(local.tokens, local.positions, local.cu_seqlens, local.loss_mask, local.max_seqlen,
+                            global_cu_seqlens=cu_seqlens_from_lengths(self.global_cu_seqlens.diff()[index]),
+                            doc_lengths=self.doc_lengths[index.to(self.doc_lengths.device)], cp_mesh=self.cp_mesh,
+                            mode=self.mode), rows
 
     def shift(self, max_shift: int) -> HaloShift:
         return HaloShift(self.global_cu_seqlens, self.cp_mesh, max_shift, doc_lengths=self.doc_lengths)
