@@ -189,6 +189,7 @@ def main():
                          "params": sum(p.numel() for p in job.policy.parameters())},
               "draft_params": sum(p.numel() for p in job.draft.parameters()),
               "task": dataclasses.asdict(cfg.task), "rl": dataclasses.asdict(cfg.rl),
+              "draft": dataclasses.asdict(cfg.draft),
               "rollout": dataclasses.asdict(cfg.rollout), "warm_start_s": warm_start_s, "skip": a.skip,
               "table": table, "speedups": speedups,
               "reward_per_step": {mode: [r["reward_mean"] for r in records[mode]] for mode in a.modes},

@@ -42,7 +42,7 @@ def draft_loss(draft: EagleDraft, emb: torch.Tensor, taps: torch.Tensor, teacher
     documents (ascending indices into the batch's documents, drawn uniformly without replacement, see
     sample_documents): the draft runs on those only. Their loss sum is scaled by (documents in the batch /
     documents drawn) and normalised by the pairs of ALL documents, so that its expectation over the draw
-    is exactly the loss over the whole batch (docs/DESIGN.md 2.3); the per-pass sums are the drawn ones'."""
+    is exactly the loss over the whole batch (docs/DESIGN.md 2.5); the per-pass sums are the drawn ones'."""
     count, scale = None, 1.0
     if documents is not None:
         count = valid_pairs(batch.loss_mask, batch.shift(spec.ttt_steps), spec.ttt_steps)
