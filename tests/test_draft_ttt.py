@@ -5,10 +5,8 @@ the full [T, d*T] (trunk + branch) mask over the keys of all passes so far, and 
 cross-entropy anchor by anchor. The product path is EagleDraft.ttt_forward + DocumentShift +
 titan_draft.ops.branch_attention + ttt_loss (and cotrain.draft_loss, which wraps them).
 """
-import dataclasses
 import itertools
 import math
-import shutil
 
 import pytest
 import torch
@@ -225,29 +223,6 @@ def test_sampled_documents_give_an_unbiased_loss_and_gradient():
         assert rel_err(got, expected) < 1e-6
     # one draw is not the full loss (the comparison above is not trivially of equal terms)
     assert abs(draft_loss(draft, emb, taps, teacher, batch, spec, documents=torch.tensor(draws[0]))[0] - full) > 1e-3
-
-
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
-                    reason="torch.compile on CPU generates C++: no compiler here")
-def test_compiled_draft_loss_is_the_same_loss():
-    """draft.compile: the compiled TTT forward and loss (attention calls left eager) give the eager
-    loss, per-pass sums and gradients, on two batches of different lengths (dynamic shapes)."""
-    draft = make_draft(5)
-    eager = CoTrainSpec([0], ttt_steps=3, pass_decay=PASS_DECAY)
-    compiled = dataclasses.replace(eager, compile=True)
-    emb, taps, teacher, loss_mask = inputs(5)
-    for lengths in (LENGTHS, LENGTHS[:-2]):
-        rows = sum(lengths)
-        batch = pack(list(torch.zeros(rows, dtype=torch.long).split(lengths)), list(loss_mask[:rows].split(lengths)))
-        results = []
-        for spec in (eager, compiled):
-            loss, per_pass = draft_loss(draft, emb[:rows], taps[:rows], teacher[:rows], batch, spec)
-            results.append((loss, per_pass, torch.autograd.grad(loss, list(draft.parameters()))))
-        (loss_a, pass_a, grads_a), (loss_b, pass_b, grads_b) = results
-        torch.testing.assert_close(loss_b, loss_a, rtol=1e-10, atol=0)
-        torch.testing.assert_close(pass_b, pass_a)
-        for got, expected in zip(grads_b, grads_a):
-            assert rel_err(got, expected) < 1e-8
 
 
 def test_sample_documents_draws_a_fraction_without_replacement():

@@ -73,9 +73,6 @@ class Draft:
     """Fraction of each RL step's rollouts (whole documents, drawn at random) the draft runs on, its loss
     reweighted to an unbiased estimate of the loss over all of them; < 1 cuts the draft's share of the
     train time (README "Co-training's cost")."""
-    compile: bool = False
-    """torch.compile the draft's TTT forward and loss (its attention calls stay eager): fewer, fused
-    kernels where the draft's training is host-bound (short answers on a GPU)."""
     cp_mode: Literal["ring", "allgather"] = "ring"
     """Context-parallel attention (policy and draft) when parallelism.context_parallel_degree > 1."""
     restore_after_skips: int = 3

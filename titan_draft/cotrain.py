@@ -26,22 +26,10 @@ class CoTrainSpec:
     ttt_steps: int = 3
     pass_decay: float = 0.8
     loss_weight: float = 1.0
-    compile: bool = False  # draft.compile: the TTT forward and loss through torch.compile
 
     @classmethod
     def from_config(cls, draft_cfg, tap_layers: list[int]) -> "CoTrainSpec":
-        return cls(list(tap_layers), draft_cfg.ttt_steps, draft_cfg.pass_decay, draft_cfg.loss_weight,
-                   draft_cfg.compile)
-
-    def ttt_functions(self):
-        """(forward, loss): EagleDraft.ttt_forward and ttt_loss, compiled when `compile` is set."""
-        return _COMPILED_TTT if self.compile else (EagleDraft.ttt_forward, ttt_loss)
-
-
-# Compiled lazily on first call; shapes vary from step to step (dynamic). The attention ops are opaque
-# to torch.compile (torch.compiler.disable), so the compiled regions are the projections, RoPE, MLP,
-# shifts and the soft cross-entropy between the attention calls.
-_COMPILED_TTT = (torch.compile(EagleDraft.ttt_forward, dynamic=True), torch.compile(ttt_loss, dynamic=True))
+        return cls(list(tap_layers), draft_cfg.ttt_steps, draft_cfg.pass_decay, draft_cfg.loss_weight)
 
 
 def draft_loss(draft: EagleDraft, emb: torch.Tensor, taps: torch.Tensor, teacher_logits: torch.Tensor,
@@ -62,11 +50,10 @@ def draft_loss(draft: EagleDraft, emb: torch.Tensor, taps: torch.Tensor, teacher
         batch, rows = batch.documents(documents)
         emb, taps, teacher_logits = emb[rows], taps[rows], teacher_logits[rows]
     shift = batch.shift(spec.ttt_steps)
-    ttt_forward, loss_fn = spec.ttt_functions()
-    states = ttt_forward(draft, emb.detach(), taps.detach(), batch.positions, spec.ttt_steps, shift,
-                         batch.draft_attention)
-    total, drawn_count, stats = loss_fn(draft, states, teacher_logits.detach(), batch.loss_mask, shift,
-                                        spec.pass_decay)
+    states = draft.ttt_forward(emb.detach(), taps.detach(), batch.positions, spec.ttt_steps, shift,
+                               batch.draft_attention)
+    total, drawn_count, stats = ttt_loss(draft, states, teacher_logits.detach(), batch.loss_mask, shift,
+                                         spec.pass_decay)
     total, count = total * scale, drawn_count if count is None else count
     per_pass = torch.stack([torch.stack(s) for s in stats]).float()
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:

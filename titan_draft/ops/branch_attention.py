@@ -74,7 +74,6 @@ class _BranchAttention(torch.autograd.Function):
         return dq, dk, dv, dbranch_k, dbranch_v, None, None
 
 
-@torch.compiler.disable  # it plans its kernels from document boundaries read on the host: opaque to torch.compile
 def branch_attention(q, k, v, branch_k=None, branch_v=None, cu_seqlens=None, scale=None):
     """Trunk (causal within each packed document) plus diagonal branch attention.
 

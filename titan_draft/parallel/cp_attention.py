@@ -281,7 +281,6 @@ def zigzag_layout(cu_seqlens: torch.Tensor, cp_mesh) -> ZigzagLayout:
                           cp_mesh.get_local_rank())
 
 
-@torch.compiler.disable  # host-side plans and ring communication: opaque to torch.compile
 def cp_branch_attention(q, k, v, branch_k=None, branch_v=None, *, cu_seqlens, cp: CpGroup, scale=None):
     """branch_attention over zigzag-sharded rows: out [T_local, Hq, D], lse [Hq, T_local].
 

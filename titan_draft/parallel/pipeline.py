@@ -37,7 +37,7 @@ from torchtitan.models.attention import VarlenMetadata
 
 from titan_draft.grpo import grpo_objective, next_token_logprobs
 from titan_draft.cotrain import CoTrainSpec
-from titan_draft.models.draft import EagleDraft
+from titan_draft.models.draft import EagleDraft, ttt_loss
 from titan_draft.models.policy import TapRecorder
 from titan_draft.ops import branch_attention
 from titan_draft.parallel.cp_attention import CpGroup, cp_branch_attention
@@ -256,11 +256,10 @@ class CoTrainLoss:
         layout = self.layout
         dim = self.draft.args.dim
         emb, taps = features[:, :dim], features[:, dim:]
-        ttt_forward, loss_fn = self.spec.ttt_functions()
-        states = ttt_forward(self.draft, emb, taps, layout.positions.flatten(), self.spec.ttt_steps, layout.shift,
-                             layout.attention)
-        total, _, stats = loss_fn(self.draft, states, logits.flatten(0, 1), trained.flatten(), layout.shift,
-                                  self.spec.pass_decay)
+        states = self.draft.ttt_forward(emb, taps, layout.positions.flatten(), self.spec.ttt_steps, layout.shift,
+                                        layout.attention)
+        total, _, stats = ttt_loss(self.draft, states, logits.flatten(0, 1), trained.flatten(), layout.shift,
+                                   self.spec.pass_decay)
         draft = total / self.draft_count
         self.draft_sum += draft.detach()
         self.draft_stats = self.draft_stats + torch.stack([torch.stack(s) for s in stats]).float()
