@@ -3,9 +3,10 @@
 The policy (torchtitan llama3, GQA, float64) runs packed documents of odd lengths through ring or
 all-gather attention on zigzag shards (apply_context_parallel once, then a ContextShard per batch);
 its cross-entropy on loss_mask rows and the draft's TTT loss (cotrain.draft_loss: the shard's
-HaloShift + cp_branch_attention) are normalised by counts over the CP group. Losses, logits and every parameter gradient (summed over the CP group, as FSDP over
-dp_shard x cp does) must equal the CP = 1 step on the unpadded batch; so must the step whose draft runs on
-drawn documents only (draft.train_fraction < 1: ContextShard.documents).
+HaloShift + cp_branch_attention) are normalised by counts over the CP group. Losses, logits and every
+parameter gradient (summed over the CP group, as FSDP over dp_shard x cp does) must equal the CP = 1
+step on the unpadded batch; so must the step whose draft runs on drawn documents only
+(draft.train_fraction < 1: ContextShard.documents).
 """
 import copy
 

@@ -165,7 +165,8 @@ def validate(cfg, world_size: int) -> None:
     need(d.pass_decay > 0, f"draft.pass_decay: {d.pass_decay} must be > 0")
     need(d.lr > 0 and d.loss_weight >= 0, "draft.lr must be > 0 and draft.loss_weight >= 0")
     need(d.cotrain_lr >= 0, f"draft.cotrain_lr: {d.cotrain_lr} must be >= 0 (0 = draft.lr)")
-    need(0 < d.train_fraction <= 1, f"draft.train_fraction: {d.train_fraction} must be in (0, 1] (1 = every rollout)")
+    need(0 < d.train_fraction <= 1,
+         f"draft.train_fraction: {d.train_fraction} must be in (0, 1] (1 = every rollout)")
     need(rl.group_size >= 2, f"rl.group_size: {rl.group_size} must be >= 2 (GRPO compares samples of one prompt)")
     need(rl.prompts_per_step >= 1, f"rl.prompts_per_step: {rl.prompts_per_step} must be >= 1")
     need(ro.num_speculative_tokens >= 1, f"rollout.num_speculative_tokens: {ro.num_speculative_tokens} must be >= 1")

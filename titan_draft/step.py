@@ -22,7 +22,7 @@ class RolloutBatch:
     prompt_lengths: torch.Tensor  # [N] int64
     response_lengths: torch.Tensor  # [N] int64
     advantages: torch.Tensor  # [N] float32, the document's GRPO advantage
-    draft_documents: torch.Tensor | None = None  # the rows the draft runs on (cotrain.sample_documents); None: all
+    draft_documents: torch.Tensor | None = None  # rows the draft trains on (cotrain.sample_documents); None: all
 
     @property
     def lengths(self) -> torch.Tensor:
