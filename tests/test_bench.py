@@ -1,6 +1,7 @@
 """The RL benches run end to end on CPU at tiny sizes (python -m bench.<name>, as a user runs them) and
 write the JSON their README tables are made from:
-(a) bench.rl_step --preset tiny: none / frozen / cotrain side by side from one warm-started state;
+(a) bench.rl_step --preset tiny: none / frozen / cotrain side by side from one warm-started state (or a
+    subset of them, --modes);
 (b) bench.rollout_speedup --preset smoke: plain, every fixed K and adaptive K per batch size;
 (c) bench.branch_attention on CPU: the row fields of bench/results/branch_attention_h200.json.
 """
@@ -44,6 +45,16 @@ def test_rl_step_bench_compares_the_draft_modes_from_one_state(tmp_path):
     for mode in modes:  # one host-time table per mode (CPU), naming the ops the step ran
         assert f"## {mode}: sorted by self_cpu_time_total" in profile
     assert "aten::mm" in profile
+
+
+def test_rl_step_bench_runs_a_subset_of_modes(tmp_path):
+    out = tmp_path / "rl_step.json"
+    run_bench("bench.rl_step", "--preset", "tiny", "--modes", "cotrain", "--out", str(out), "--",
+              "--draft.train_fraction", "0.5")
+    report = json.loads(out.read_text())
+    assert tuple(report["table"]) == tuple(report["reward_per_step"]) == ("cotrain",)
+    assert report["speedups"] == {}  # no none to compare with
+    assert report["draft"]["train_fraction"] == 0.5  # the report carries the [draft] settings
 
 
 def test_rollout_speedup_bench_smoke(tmp_path):
