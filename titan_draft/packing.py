@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_draft.ops import branch_attention
+from titan_draft.ops.attention_kernels import span_rows
 
 
 @dataclass
@@ -76,9 +77,7 @@ def document_rows(cu_seqlens: torch.Tensor, index: torch.Tensor) -> tuple[torch.
     """(the rows of documents `index` in order, their lengths) in a batch with boundaries cu_seqlens."""
     index = index.to(cu_seqlens.device).long()
     starts, lengths = cu_seqlens[index].long(), cu_seqlens.diff()[index].long()
-    firsts = torch.cumsum(lengths, 0) - lengths  # where each document starts among the selected rows
-    rows = torch.arange(int(lengths.sum()), device=cu_seqlens.device) + (starts - firsts).repeat_interleave(lengths)
-    return rows, lengths
+    return span_rows(starts, lengths), lengths
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:

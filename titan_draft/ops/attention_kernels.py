@@ -555,6 +555,12 @@ def _split_for_cudnn(q, k, varlen: Varlen) -> _CudnnSplit:
     return split
 
 
+def span_rows(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The rows of the spans [start, start + length) laid end to end (what gathers them into one batch)."""
+    firsts = torch.cumsum(lengths, 0) - lengths  # where each span starts among the gathered rows
+    return torch.arange(int(lengths.sum()), device=lengths.device) + (starts - firsts).repeat_interleave(lengths)
+
+
 @functools.lru_cache(maxsize=16)
 def _cached_split(bounds_q, bounds_k, causal, min_length, tokens, device, flash) -> _CudnnSplit:
     """_split_for_cudnn's result for given boundaries: every layer of a model sees the same
@@ -569,7 +575,7 @@ def _cached_split(bounds_q, bounds_k, causal, min_length, tokens, device, flash)
         starts, lengths = (torch.tensor(x) for x in zip(*spans))
         lengths = lengths - starts
         cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        rows = torch.arange(int(cu[-1])) + (starts - cu[:-1]).repeat_interleave(lengths)
+        rows = span_rows(starts, lengths)
         return (cudnn_attention.to_device(rows, device),
                 cudnn_attention.to_device(cu.to(torch.int32), device), int(lengths.max()))
 
