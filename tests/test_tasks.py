@@ -232,6 +232,7 @@ def test_arith_scratchpad_is_right_and_local():
     # a counter decrement that borrows: 10 -> 9, flag b in digit 0
     assert tok.decode(task._answer(10, 1, 0, [[False] * 5] * 10)).startswith("911b000.")
     assert tok.encode(tok.decode(answer)) == answer and len(CHARS) == 20
+    assert tok.decode(torch.tensor(answer)) == tok.decode(answer)  # rewards decode tensors, converted once
 
 
 def test_arith_lengths_are_heavy_tailed():

@@ -23,7 +23,7 @@ import math
 import torch
 
 from titan_draft.errors import ConfigError
-from titan_draft.tasks.base import Prompts, response_budget
+from titan_draft.tasks.base import Prompts, response_budget, token_ids
 
 PAD, BOS, EOS, SEP = 0, 1, 2, 3
 DIGIT = 4  # ids 4..13 are the digits 0..9
@@ -44,7 +44,7 @@ class ArithTokenizer:
         return [CHARS.index(c) for c in text]
 
     def decode(self, ids) -> str:
-        return "".join(CHARS[int(i)] if int(i) < len(CHARS) else "?" for i in ids)
+        return "".join(CHARS[i] if i < len(CHARS) else "?" for i in token_ids(ids))
 
 
 def pareto_exponent(low: float, median: float, high: float) -> float:

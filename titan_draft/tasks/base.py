@@ -39,6 +39,12 @@ class Prompts:
         return out
 
 
+def token_ids(ids) -> list[int]:
+    """ids (a tensor or any sequence of ints) as a list of Python ints: one conversion, where iterating
+    a tensor would cost a select and an item() per token (0.26 s for 512 arith responses on a CPU)."""
+    return ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
+
+
 class Tokenizer(Protocol):
     vocab_size: int
     eos_id: int

@@ -3,6 +3,7 @@ import json
 import os
 
 from titan_draft.errors import ConfigError
+from titan_draft.tasks.base import token_ids
 
 
 def load_hf_tokenizer(path: str):
@@ -69,7 +70,7 @@ class HFTokenizer:
         return self.encode_batch([text], add_special_tokens)[0]
 
     def decode(self, ids) -> str:
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
+        return self.backend.decode(token_ids(ids), skip_special_tokens=True)
 
     def chat_template(self) -> str | None:
         """The chat template of tokenizer_config.json (its "default" one when it holds several), or of

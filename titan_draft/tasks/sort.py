@@ -8,7 +8,7 @@ SFT data can carry a systematic error (adjacent answer pairs swapped with probab
 import torch
 
 from titan_draft.errors import ConfigError
-from titan_draft.tasks.base import Prompts, response_budget
+from titan_draft.tasks.base import Prompts, response_budget, token_ids
 
 PAD, BOS, EOS, SEP = 0, 1, 2, 3
 FIRST_LETTER = 4
@@ -29,7 +29,7 @@ class CharTokenizer:
 
     def decode(self, ids) -> str:
         specials = {PAD: "_", BOS: "^", EOS: "$", SEP: "|"}
-        return "".join(specials.get(int(i), chr(ord("a") + int(i) - FIRST_LETTER)) for i in ids)
+        return "".join(specials.get(i, chr(ord("a") + i - FIRST_LETTER)) for i in token_ids(ids))
 
 
 class SortTask:
