@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from titan_draft.checkpoint import KILL_DURING_SAVE_ENV
+from titan_draft.checkpoint import KILL_DURING_SAVE_ENV, MANIFEST
 from titan_draft.metrics import TIMING_KEYS
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -92,9 +92,10 @@ def rl_metrics(folder) -> dict[int, dict]:
 
 
 def complete_steps(folder) -> list[int]:
+    """Steps a resume may load: `.metadata` AND the manifest, written after it (a SIGKILL can fall between)."""
     root = os.path.join(folder, "checkpoint")
     return sorted(int(name.split("-")[1]) for name in os.listdir(root)
-                  if os.path.isfile(os.path.join(root, name, ".metadata")))
+                  if all(os.path.isfile(os.path.join(root, name, last)) for last in (".metadata", MANIFEST)))
 
 
 def test_sigkill_mid_run_and_inside_save_resume_exactly(tmp_path):
