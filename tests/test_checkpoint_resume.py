@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from titan_draft.checkpoint import KILL_DURING_SAVE_ENV, MANIFEST
+from titan_draft.checkpoint import KILL_DURING_SAVE_ENV, check_checkpoint, complete_steps as checkpoint_steps
 from titan_draft.metrics import TIMING_KEYS
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -92,10 +92,11 @@ def rl_metrics(folder) -> dict[int, dict]:
 
 
 def complete_steps(folder) -> list[int]:
-    """Steps a resume may load: `.metadata` AND the manifest, written after it (a SIGKILL can fall between)."""
+    """Steps a resume may load (check_checkpoint: `.metadata` AND the manifest written after it; a SIGKILL
+    can fall between the two)."""
     root = os.path.join(folder, "checkpoint")
-    return sorted(int(name.split("-")[1]) for name in os.listdir(root)
-                  if all(os.path.isfile(os.path.join(root, name, last)) for last in (".metadata", MANIFEST)))
+    return sorted(step for step in checkpoint_steps(root)
+                  if check_checkpoint(os.path.join(root, f"step-{step}")) is None)
 
 
 def test_sigkill_mid_run_and_inside_save_resume_exactly(tmp_path):
