@@ -15,7 +15,10 @@ Columns of each row (tokens, docs, passes P):
   mask (document-causal trunk + diagonal branch), block mask built once per shape outside the
   timing; null where it was not run (--flex-max-tokens, out of memory, or no CUDA).
 - *_peak_gib: peak allocated memory of each (inputs included), CUDA only.
-Times: median of --iters timed calls after --warmup untimed ones, CUDA events via bench._common.
+Times: median of --iters timed calls after --warmup untimed ones (bench._common). --timing queued
+(default): calls back to back, as the layers of a training step run, each timed by CUDA events
+(queued_median_time); --timing synced: each call alone between two device syncs, so the host's
+launch latency adds to every call (median_time).
 --profile T... writes a torch.profiler per-kernel table of one branch_attention step at each T.
 """
 import argparse
@@ -24,7 +27,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench._common import environment, median_time, write_json
+from bench._common import environment, median_time, queued_median_time, write_json
 from titan_draft.ops import available_backends, branch_attention
 
 
@@ -44,6 +47,7 @@ def parse_args():
     parser.add_argument("--long-tokens", type=int, default=131072,
                         help="from this length on: 1 warm-up and 3 timed calls")
     parser.add_argument("--flex-max-tokens", type=int, default=65536)
+    parser.add_argument("--timing", choices=("queued", "synced"), default="queued")
     parser.add_argument("--profile", type=int, nargs="*", default=[],
                         help="profile one step at each of these token counts")
     parser.add_argument("--out", default=None, help="JSON path (a .txt table is written beside it)")
@@ -147,7 +151,8 @@ def flex_ttt(inputs: Inputs):
 
 def timed(args, step, device, tokens):
     warmup, iters = (1, 3) if tokens >= args.long_tokens else (args.warmup, args.iters)
-    seconds, peak = median_time(step, warmup, iters, device)
+    measure = queued_median_time if args.timing == "queued" else median_time
+    seconds, peak = measure(step, warmup, iters, device)
     return 1e3 * seconds, None if peak is None else peak / 2 ** 30
 
 

@@ -87,6 +87,21 @@ def test_math_backend_batches_equal_length_documents_exactly(monkeypatch, batch_
     assert_matches_reference_float64(branch_inputs(sum(lengths), 4, 2, 2), packed_boundaries(lengths))
 
 
+def test_host_bounds_copies_each_boundaries_tensor_once():
+    """Every layer passes the same cu_seqlens: its values are read from the device once, and read
+    again after an in-place change."""
+    cu_seqlens = torch.tensor([0, 3, 7], dtype=torch.int32)
+    first = kernels_module.host_bounds(cu_seqlens)
+    assert first == (0, 3, 7) and kernels_module.host_bounds(cu_seqlens) is first
+    cu_seqlens[1] = 4
+    assert kernels_module.host_bounds(cu_seqlens) == (0, 4, 7)
+    with torch.inference_mode():
+        inference = torch.tensor([0, 2, 7], dtype=torch.int32)
+        assert kernels_module.host_bounds(inference) == (0, 2, 7)
+        inference[1] = 5
+        assert kernels_module.host_bounds(inference) == (0, 5, 7)
+
+
 def test_one_document_when_cu_seqlens_is_none():
     torch.manual_seed(0)
     inputs = branch_inputs(11, 4, 2, 2)
@@ -448,13 +463,17 @@ def dense_batch_backward(dout, q, k, v, out, lse, *, causal, scale):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("min_document", [1, 18])
-def test_cudnn_document_batches_match_dense(monkeypatch, causal, min_document):
+@pytest.mark.parametrize("max_batch_share", [1, 8])
+def test_cudnn_document_batches_match_dense(monkeypatch, causal, min_document, max_batch_share):
     """Padded buckets (17 -> 18, 33 -> 36 rows), a view of consecutive equal documents (16, 16),
-    empty documents, and with min_document 18 the short ones through another backend: forward,
-    lse and gradients (fed the final out/lse) equal the dense attention in float64."""
+    empty documents, with min_document 18 the short ones through another backend, and batches
+    of every document of a shape (share 1) or of one document each (share 8: at most 118 // 8
+    rows): forward, lse and gradients (fed the final out/lse) equal the dense attention in float64."""
     monkeypatch.setattr(cudnn_module, "batch_forward", dense_batch_forward)
     monkeypatch.setattr(cudnn_module, "batch_backward", dense_batch_backward)
     monkeypatch.setattr(kernels_module, "CUDNN_MIN_DOCUMENT", min_document)
+    monkeypatch.setattr(kernels_module, "CUDNN_MAX_BATCH_SHARE", max_batch_share)
+    monkeypatch.setattr(kernels_module, "CUDNN_BATCH_FLOOR_BYTES", 0)
     # The short documents' kernel: FlashAttention-2 on a GPU, played here by the math backend.
     monkeypatch.setattr(kernels_module, "_flash_backend", lambda q: "torch_varlen")
     monkeypatch.setitem(kernels_module._FORWARD, "torch_varlen", kernels_module._math_forward)
@@ -468,7 +487,9 @@ def test_cudnn_document_batches_match_dense(monkeypatch, causal, min_document):
     assert cudnn_module.length_bucket(17) == 18 and cudnn_module.length_bucket(33) == 36
 
     split = kernels_module._split_for_cudnn(q, k, varlen)
-    assert len(split.groups) == (1 if min_document == 18 else 4)
+    # Share 1: one batch per shape. Share 8: one per document, the 3-row one aside (14 // 3 > 1).
+    groups = {(True, 1): (4, 7), (False, 1): (4, 6), (True, 18): (1, 1), (False, 18): (1, 1)}
+    assert len(split.groups) == groups[causal, min_document][max_batch_share == 8]
     assert (split.short_varlen is None) == (min_document == 1)
     out, lse = kernels_module._cudnn_forward(q, k, v, varlen, 0.3)
     out_ref, lse_ref = dense_block_attention(q, k, v, cu_q, cu_k, causal, 0.3)

@@ -32,11 +32,15 @@ def check_against_reference(device, dtype, out_dtype, tolerance):
         lse = randn(q_heads, tokens, dtype=torch.promote_types(dtype, torch.float32))
         lse[:, 0] = -float("inf")  # a row that saw no trunk key
         scale = head_dim ** -0.5
-        got = (*branch_triton.add_branch(out, lse, q, branch_k, branch_v, scale),
-               *branch_triton.branch_backward(dout, q, branch_k, branch_v, out, lse, scale))
-        want = (*attention_kernels.add_branch_torch(out, lse, q, branch_k, branch_v, scale),
-                *attention_kernels.branch_backward_torch(dout, q, branch_k, branch_v, out, lse, scale))
-        for name, g, w in zip(("out", "lse", "dq", "dbranch_k", "dbranch_v"), got, want):
+        dq = randn(tokens, q_heads, head_dim, dtype=out_dtype)  # the trunk's share, added to
+        # Both work in place (out, lse forward; dq backward): each gets its own copies.
+        got_dq, want_dq = dq.clone(), dq.clone()
+        got = (*branch_triton.add_branch(out.clone(), lse.clone(), q, branch_k, branch_v, scale),
+               *branch_triton.branch_backward(dout, q, branch_k, branch_v, out, lse, scale, got_dq), got_dq)
+        want = (*attention_kernels.add_branch_torch(out.clone(), lse.clone(), q, branch_k, branch_v, scale),
+                *attention_kernels.branch_backward_torch(dout, q, branch_k, branch_v, out, lse, scale, want_dq),
+                want_dq)
+        for name, g, w in zip(("out", "lse", "dbranch_k", "dbranch_v", "dq"), got, want):
             assert g.dtype == w.dtype and g.shape == w.shape, name
             error = ((g.double() - w.double()).norm() / w.double().norm()).item()
             assert error < tolerance, (name, (tokens, q_heads, kv_heads, head_dim, passes), error)

@@ -20,7 +20,11 @@ Backends for attn_forward / attn_backward, chosen by TITAN_DRAFT_ATTN_BACKEND
                 auto picks it on Hopper and newer (compute capability >= 9), where it measured
                 1.65-1.7x FlashAttention-2 (H200). Documents shorter than CUDNN_MIN_DOCUMENT
                 rows go to FlashAttention-2 in one varlen call (no per-shape cuDNN plans for
-                them; bench/branch_attention.py measured the two).
+                them; bench/branch_attention.py measured the two). A cuDNN batch holds at most
+                1/CUDNN_MAX_BATCH_SHARE of the block's query rows, or one document, or rows whose
+                dQ takes CUDNN_BATCH_FLOOR_BYTES, whichever is most: its backward keeps a float32
+                dQ accumulator of every row it holds (one call per document holds one
+                document's), while small documents need batching to keep the GPU busy.
 - flash_attn:   the flash-attn package's varlen kernels (CUDA, fp16/bf16).
 - torch_varlen: PyTorch's own FlashAttention-2 varlen kernels, the aten ops that
                 torch.nn.attention.varlen.varlen_attn wraps (CUDA, fp16/bf16).
@@ -35,6 +39,7 @@ import inspect
 import math
 import os
 import warnings
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -43,6 +48,8 @@ import titan_draft.ops.cudnn_attention as cudnn_attention
 
 BACKENDS = ("cudnn", "flash_attn", "torch_varlen", "math")
 CUDNN_MIN_DOCUMENT = 1024
+CUDNN_MAX_BATCH_SHARE = 8
+CUDNN_BATCH_FLOOR_BYTES = 64 << 20
 _BACKEND_ENV = "TITAN_DRAFT_ATTN_BACKEND"
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _INF = math.inf
@@ -109,6 +116,27 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+_HOST_BOUNDS: dict[int, tuple] = {}  # id(tensor) -> (weak reference, version, its values)
+_HOST_BOUNDS_KEPT = 64
+
+
+def host_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """cu_seqlens' values on the host, copied once per tensor object (and in-place version):
+    every attention layer of a model gets the same boundaries tensor, and each copy from a GPU
+    would stall the host until the GPU caught up, leaving the GPU idle while it launches again.
+    Inference-mode tensors track no version, so they are read every time."""
+    if cu_seqlens.is_inference():
+        return tuple(cu_seqlens.tolist())
+    kept = _HOST_BOUNDS.get(id(cu_seqlens))
+    if kept is not None and kept[0]() is cu_seqlens and kept[1] == cu_seqlens._version:
+        return kept[2]
+    values = tuple(cu_seqlens.tolist())
+    _HOST_BOUNDS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, values)
+    if len(_HOST_BOUNDS) > _HOST_BOUNDS_KEPT:
+        del _HOST_BOUNDS[next(iter(_HOST_BOUNDS))]  # the oldest
+    return values
+
+
 class Varlen(NamedTuple):
     """Which keys each query row of a packed block sees: document n is query rows
     cu_q[n]..cu_q[n+1]-1 against key rows cu_k[n]..cu_k[n+1]-1 (int32 [N+1] each); max_q / max_k
@@ -125,12 +153,9 @@ class Varlen(NamedTuple):
     memo: dict | None = None
 
     @classmethod
-    def packed_causal(cls, cu_seqlens: torch.Tensor, max_len: int, host_bounds: list[int] | None = None
-                      ) -> "Varlen":
-        """Causal attention within each packed document: queries and keys are the same rows.
-        host_bounds: cu_seqlens as a list, when the caller has it (saves a device sync)."""
-        memo = {} if host_bounds is None else {"bounds": (host_bounds, host_bounds)}
-        return cls(cu_seqlens, cu_seqlens, max_len, max_len, True, memo)
+    def packed_causal(cls, cu_seqlens: torch.Tensor, max_len: int) -> "Varlen":
+        """Causal attention within each packed document: queries and keys are the same rows."""
+        return cls(cu_seqlens, cu_seqlens, max_len, max_len, True, {})
 
 
 def _check_blocks(q, k, v, varlen: Varlen):
@@ -267,9 +292,10 @@ def _has_branch(branch_k) -> bool:
 
 def add_branch(out, lse, q, branch_k, branch_v, scale: float):
     """The trunk's (out, lse) with the branch merged in: merge_attn(out, lse,
-    *branch_forward(q, branch_k, branch_v, scale)), out returned in the trunk out's dtype and lse
-    in float32 (float64). On a GPU one Triton kernel (ops/branch_triton.py), else
-    add_branch_torch. Without a branch (None, or P = 0): (out, lse) as given."""
+    *branch_forward(q, branch_k, branch_v, scale)), written into the given out (its dtype kept) and
+    lse (float32, float64 for float64 inputs) IN PLACE and returned: callers pass the trunk's own
+    fresh results. On a GPU one Triton kernel (ops/branch_triton.py), else add_branch_torch.
+    Without a branch (None, or P = 0): (out, lse) as given."""
     if not _has_branch(branch_k):
         return out, lse
     if q.is_cuda and _HAS_TRITON:
@@ -277,12 +303,13 @@ def add_branch(out, lse, q, branch_k, branch_v, scale: float):
     return add_branch_torch(out, lse, q, branch_k, branch_v, scale)
 
 
-def branch_backward(dout, q, branch_k, branch_v, out, lse, scale: float):
-    """Gradients (dq, dbranch_k, dbranch_v) of the branch part given the FINAL out/lse; on a GPU
-    one Triton kernel (ops/branch_triton.py), else branch_backward_torch."""
+def branch_backward(dout, q, branch_k, branch_v, out, lse, scale: float, dq):
+    """Gradients of the branch part given the FINAL out/lse: its share of dq added into dq in
+    place, (dbranch_k, dbranch_v) returned; on a GPU one Triton kernel (ops/branch_triton.py),
+    else branch_backward_torch."""
     if q.is_cuda and _HAS_TRITON:
-        return _triton_branch().branch_backward(dout, q, branch_k, branch_v, out, lse, scale)
-    return branch_backward_torch(dout, q, branch_k, branch_v, out, lse, scale)
+        return _triton_branch().branch_backward(dout, q, branch_k, branch_v, out, lse, scale, dq)
+    return branch_backward_torch(dout, q, branch_k, branch_v, out, lse, scale, dq)
 
 
 def branch_grads(dq, dout, q, branch_k, branch_v, out, lse, scale: float):
@@ -292,32 +319,30 @@ def branch_grads(dq, dout, q, branch_k, branch_v, out, lse, scale: float):
         return None, None
     if branch_k.shape[0] == 0:
         return torch.zeros_like(branch_k), torch.zeros_like(branch_v)
-    dq_branch, dbranch_k, dbranch_v = branch_backward(dout, q, branch_k, branch_v, out, lse, scale)
-    dq += dq_branch
-    return dbranch_k, dbranch_v
+    return branch_backward(dout, q, branch_k, branch_v, out, lse, scale, dq)
 
 
 def add_branch_torch(out, lse, q, branch_k, branch_v, scale: float):
-    """add_branch in plain PyTorch, ROWS_PER_CHUNK rows at a time (the Triton kernel's reference)."""
-    merged_out = torch.empty_like(out)
-    merged_lse = torch.empty_like(lse, dtype=_compute_dtype(q.dtype))
+    """add_branch in plain PyTorch, ROWS_PER_CHUNK rows at a time (the Triton kernel's reference):
+    out and lse are overwritten with the merged result and returned."""
     for rows in _row_chunks(q.shape[0]):
-        chunk_out, merged_lse[:, rows] = merge_attn(
+        chunk_out, lse[:, rows] = merge_attn(
             out[rows], lse[:, rows], *branch_forward(q[rows], branch_k[:, rows], branch_v[:, rows], scale))
-        merged_out[rows] = chunk_out.to(out.dtype)
-    return merged_out, merged_lse
+        out[rows] = chunk_out.to(out.dtype)
+    return out, lse
 
 
-def branch_backward_torch(dout, q, branch_k, branch_v, out, lse, scale: float):
+def branch_backward_torch(dout, q, branch_k, branch_v, out, lse, scale: float, dq):
     """Closed-form gradients of the branch part, given the FINAL out/lse, in plain PyTorch
     (the Triton kernel's reference): w = exp(s - lse); dv_b = w dout;
-    ds = w (<dout, v_b> - <dout, out>); dq = scale sum_p ds k_b; dk_b = scale ds q."""
-    dq = torch.empty_like(q)
+    ds = w (<dout, v_b> - <dout, out>); dq += scale sum_p ds k_b; dk_b = scale ds q.
+    Returns (dbranch_k, dbranch_v); dq is updated in place."""
     dbranch_k, dbranch_v = torch.empty_like(branch_k), torch.empty_like(branch_v)
     for rows in _row_chunks(q.shape[0]):
-        dq[rows], dbranch_k[:, rows], dbranch_v[:, rows] = _branch_backward_rows(
+        dq_rows, dbranch_k[:, rows], dbranch_v[:, rows] = _branch_backward_rows(
             dout[rows], q[rows], branch_k[:, rows], branch_v[:, rows], out[rows], lse[:, rows], scale)
-    return dq, dbranch_k, dbranch_v
+        dq[rows] = (dq[rows].to(dq_rows.dtype) + dq_rows).to(dq.dtype)
+    return dbranch_k, dbranch_v
 
 
 def _branch_backward_rows(dout, q, branch_k, branch_v, out, lse, scale: float):
@@ -329,10 +354,10 @@ def _branch_backward_rows(dout, q, branch_k, branch_v, out, lse, scale: float):
     row_delta = (dout_g * _grouped(out.to(dtype), kv_heads)).sum(-1)  # [1, T, Hkv, G]
     dprobs = (dout_g * branch_v.to(dtype).unsqueeze(3)).sum(-1)
     dscores = (probs * (dprobs - row_delta) * scale).unsqueeze(-1)  # [P, T, Hkv, G, 1]
-    dq = (dscores * branch_k.to(dtype).unsqueeze(3)).sum(0).flatten(1, 2)
+    dq = (dscores * branch_k.to(dtype).unsqueeze(3)).sum(0).flatten(1, 2)  # in the compute dtype
     dbranch_k = (dscores * _grouped(q.to(dtype), kv_heads).unsqueeze(0)).sum(3)
     dbranch_v = (probs.unsqueeze(-1) * dout_g).sum(3)
-    return dq.to(q.dtype), dbranch_k.to(branch_k.dtype), dbranch_v.to(branch_v.dtype)
+    return dq, dbranch_k.to(branch_k.dtype), dbranch_v.to(branch_v.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +371,7 @@ MATH_BATCH_ELEMENTS = 1 << 24
 def _document_batches(varlen: Varlen, heads):
     """Documents that have both queries and keys, batched by (query length, key length): yields the
     index tensors (query rows [N, Lq], key rows [N, Lk]) of N such documents at a time."""
-    bounds_q, bounds_k = varlen.cu_q.tolist(), varlen.cu_k.tolist()
+    bounds_q, bounds_k = host_bounds(varlen.cu_q), host_bounds(varlen.cu_k)
     firsts = {}
     for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
         if varlen.causal and (q0, q1) != (k0, k1):
@@ -539,16 +564,16 @@ class _CudnnSplit(NamedTuple):
 def _split_for_cudnn(q, k, varlen: Varlen) -> _CudnnSplit:
     """The block's documents for cuDNN and for FlashAttention-2 (or math, where FA2 cannot run);
     kept in varlen.memo when there is one, so that the backward reuses the forward's."""
-    key = ("cudnn", q.shape[0], k.shape[0], CUDNN_MIN_DOCUMENT)
+    floor_rows = CUDNN_BATCH_FLOOR_BYTES // (4 * q.shape[1] * q.shape[2])  # float32 dQ per row
+    max_batch_rows = max(q.shape[0] // CUDNN_MAX_BATCH_SHARE, floor_rows)
+    key = ("cudnn", q.shape[0], k.shape[0], CUDNN_MIN_DOCUMENT, max_batch_rows)
     if varlen.memo is not None and key in varlen.memo:
         return varlen.memo[key]
-    bounds = None if varlen.memo is None else varlen.memo.get("bounds")
-    if bounds is None:
-        bounds = torch.stack([varlen.cu_q, varlen.cu_k]).tolist()
+    bounds = host_bounds(varlen.cu_q), host_bounds(varlen.cu_k)
     flash = _flash_backend(q) or "math"
     # cuDNN refuses a one-by-one attention; FA2 takes the short documents in one call.
     min_length = max(CUDNN_MIN_DOCUMENT if flash != "math" else 1, 2)
-    split = _cached_split(tuple(bounds[0]), tuple(bounds[1]), varlen.causal, min_length,
+    split = _cached_split(bounds[0], bounds[1], varlen.causal, min_length, max_batch_rows,
                           (q.shape[0], k.shape[0]), q.device, flash)
     if varlen.memo is not None:
         varlen.memo[key] = split
@@ -562,12 +587,13 @@ def span_rows(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_split(bounds_q, bounds_k, causal, min_length, tokens, device, flash) -> _CudnnSplit:
+def _cached_split(bounds_q, bounds_k, causal, min_length, max_batch_rows, tokens, device, flash
+                  ) -> _CudnnSplit:
     """_split_for_cudnn's result for given boundaries: every layer of a model sees the same
     documents, so they share one split (and its index tensors)."""
     groups, short = cudnn_attention.split_documents(
-        list(bounds_q), list(bounds_k), causal=causal, min_length=min_length, tokens=tokens,
-        device=device)
+        list(bounds_q), list(bounds_k), causal=causal, min_length=min_length,
+        max_batch_rows=max_batch_rows, tokens=tokens, device=device)
     if not groups or not short:  # all documents to one kernel: nothing to gather
         return _CudnnSplit(groups, None, None, None, flash)
 
@@ -604,7 +630,8 @@ def _cudnn_backward(dout, q, k, v, out, lse, varlen: Varlen, scale):
         return _BACKWARD[split.flash](dout, q, k, v, out, lse, varlen, scale)
     dout, q, k, v = (x.contiguous() for x in (dout.to(q.dtype), q, k, v))
     out = out.to(q.dtype).contiguous()
-    keyless_as_inf = lse.masked_fill(lse == -_INF, _INF)  # p = 0 in rows that saw no key
+    # p = 0 in rows that saw no key: -inf -> +inf, in one kernel (NaN kept as it is).
+    keyless_as_inf = torch.nan_to_num(lse, nan=math.nan, posinf=_INF, neginf=_INF)
     dq, dk, dv = cudnn_attention.backward(dout, q, k, v, out, keyless_as_inf, split.groups, scale=scale)
     if split.short_varlen is not None:
         rows_q, rows_k = split.short_q, split.short_k

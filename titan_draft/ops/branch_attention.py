@@ -7,6 +7,8 @@ P keys per query). branch_attention computes the trunk with the attention_kernel
 GPU), and merges both through their log-sum-exp; branch_attention_reference is the same thing
 written densely, to check it against.
 """
+import functools
+
 import torch
 
 from titan_draft.ops.attention_kernels import (
@@ -15,11 +17,19 @@ from titan_draft.ops.attention_kernels import (
     attn_backward,
     attn_forward,
     branch_grads,
+    host_bounds,
     outside_autocast,
 )
 
+
+@functools.lru_cache(maxsize=16)
+def _one_document(tokens: int, device: torch.device) -> torch.Tensor:
+    """cu_seqlens of a single document of `tokens` rows (made once per length and device; read only)."""
+    return torch.tensor([0, tokens], dtype=torch.int32, device=device)
+
+
 def _validate(q, k, v, branch_k, branch_v, cu_seqlens):
-    """Check shapes; return (cu_seqlens on q's device, the same as a list, P)."""
+    """Check shapes; return (cu_seqlens on q's device, the same as a tuple, P)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, Dh], got shape {tuple(q.shape)}")
     tokens, q_heads, head_dim = q.shape
@@ -40,11 +50,11 @@ def _validate(q, k, v, branch_k, branch_v, cu_seqlens):
                              f"{tuple(branch_v.shape)}")
         passes = branch_k.shape[0]
     if cu_seqlens is None:
-        cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32)
+        cu_seqlens = _one_document(tokens, q.device)
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be a 1-D int32 tensor [N+1], got {cu_seqlens.dtype} "
                          f"of shape {tuple(cu_seqlens.shape)}")
-    bounds = cu_seqlens.tolist()
+    bounds = host_bounds(cu_seqlens)
     if bounds[0] != 0 or bounds[-1] != tokens:
         raise ValueError(f"cu_seqlens must run from 0 to T = {tokens}, got {bounds[0]} .. "
                          f"{bounds[-1]}")
@@ -90,7 +100,7 @@ def branch_attention(q, k, v, branch_k=None, branch_v=None, cu_seqlens=None, sca
     if scale is None:
         scale = q.shape[-1] ** -0.5
     longest = max(end - start for start, end in zip(bounds, bounds[1:]))
-    varlen = Varlen.packed_causal(cu_seqlens, longest, host_bounds=bounds)
+    varlen = Varlen.packed_causal(cu_seqlens, longest)
     return _BranchAttention.apply(q, k, v, branch_k, branch_v, varlen, scale)
 
 

@@ -12,7 +12,10 @@ documents of a packed block are grouped by length and each group runs as one bat
 - full (non-causal) blocks of the CP ring: batched by exact (query length, key length), no
   padding (a padded key would be seen).
 Buckets keep the number of distinct batch shapes, and so of cuDNN plans (~40 ms to build one),
-small across steps whose documents differ.
+small across steps whose documents differ. A batch holds at most max_batch_rows query rows (one
+document at least): cuDNN's backward keeps a float32 dQ accumulator of all the batch's rows, twice
+the bytes of their q, so a batch of every document would hold it for the whole block where one
+call per document holds one document's.
 
 The backward is cuDNN's own, called with the FINAL out and lse of a larger attention (blocks and
 branch merged), which is what makes per-block gradients exact (DESIGN.md section 3).
@@ -93,10 +96,12 @@ def _group(spans, len_q, len_k, causal, tokens, device) -> Group:
 
 
 def split_documents(bounds_q: list[int], bounds_k: list[int], *, causal: bool, min_length: int,
-                    tokens: tuple[int, int], device) -> tuple[list[Group], list[tuple[int, int, int, int]]]:
-    """Group the documents with at least min_length query rows and keys by batch shape;
-    return (groups, the other documents' (q0, q1, k0, k1) with both rows and keys), the latter
-    for another kernel. tokens: (rows of q, rows of k)."""
+                    max_batch_rows: int, tokens: tuple[int, int], device
+                    ) -> tuple[list[Group], list[tuple[int, int, int, int]]]:
+    """Group the documents with at least min_length query rows and keys by batch shape, each group
+    at most max_batch_rows query rows or one document; return (groups, the other
+    documents' (q0, q1, k0, k1) with both rows and keys), the latter for another kernel.
+    tokens: (rows of q, rows of k)."""
     by_shape, rest = {}, []
     for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
         if q1 == q0 or k1 == k0:
@@ -106,8 +111,11 @@ def split_documents(bounds_q: list[int], bounds_k: list[int], *, causal: bool, m
             continue
         shape = (length_bucket(q1 - q0),) * 2 if causal else (q1 - q0, k1 - k0)
         by_shape.setdefault(shape, []).append((q0, q1, k0, k1))
-    groups = [_group(spans, len_q, len_k, causal, tokens, device)
-              for (len_q, len_k), spans in by_shape.items()]
+    groups = []
+    for (len_q, len_k), spans in by_shape.items():
+        per_batch = max(1, max_batch_rows // len_q)
+        groups += [_group(spans[i:i + per_batch], len_q, len_k, causal, tokens, device)
+                   for i in range(0, len(spans), per_batch)]
     return groups, rest
 
 

@@ -32,6 +32,7 @@ from titan_draft.ops.attention_kernels import (
     attn_backward,
     attn_forward,
     branch_grads,
+    host_bounds,
     merge_attn,
     outside_autocast,
 )
@@ -277,7 +278,7 @@ def zigzag_layout(cu_seqlens: torch.Tensor, cp_mesh) -> ZigzagLayout:
     if cu_seqlens is None or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         raise ValueError("cu_seqlens: needs the GLOBAL padded document boundaries as a 1-D int32 "
                          "tensor (see titan_draft.parallel.pad_documents)")
-    return _cached_layout(tuple(cu_seqlens.tolist()), str(cu_seqlens.device), cp_mesh.size(),
+    return _cached_layout(host_bounds(cu_seqlens), str(cu_seqlens.device), cp_mesh.size(),
                           cp_mesh.get_local_rank())
 
 
@@ -290,7 +291,7 @@ def cp_branch_attention(q, k, v, branch_k=None, branch_v=None, *, cu_seqlens, cp
     v, branch_k, branch_v as in branch_attention; lse is non-differentiable.
     """
     layout = zigzag_layout(cu_seqlens, cp.mesh)
-    local_tokens = int(cu_seqlens[-1]) // layout.cp_size
+    local_tokens = host_bounds(cu_seqlens)[-1] // layout.cp_size
     if q.dim() < 1 or q.shape[0] != local_tokens:
         raise ValueError(f"q: {q.shape[0] if q.dim() else 0} rows, but the global cu_seqlens give "
                          f"{local_tokens} per rank; pass this rank's zigzag rows (zigzag_shard) with "

@@ -10,12 +10,13 @@ from functools import cached_property
 
 import torch
 
+from titan_draft.ops.attention_kernels import host_bounds
 from titan_draft.packing import PackedBatch, cu_seqlens_from_lengths, positions_from_cu_seqlens
 
 
 def _document_chunks(cu_seqlens: torch.Tensor, cp_size: int) -> tuple[list[int], list[int]]:
     """(document starts, chunk length of each document); raises if a length is not divisible."""
-    bounds = cu_seqlens.tolist()
+    bounds = host_bounds(cu_seqlens)
     starts, chunks = bounds[:-1], []
     for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
         if (end - start) % (2 * cp_size) != 0:
@@ -100,7 +101,7 @@ class ZigzagLayout:
         return (self.cu_seqlens // (2 * self.cp_size)).to(torch.int32)
 
     def _local_chunk_rows(self, back: bool) -> torch.Tensor:
-        lo = self.local_cu_seqlens.tolist()
+        lo = host_bounds(self.local_cu_seqlens)
         return _spans_to_rows([(start + back * c, start + (back + 1) * c)
                                for start, c in zip(lo, self.chunk_lengths)], self.device)
 
