@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from bench._common import environment, median_time, queued_median_time, write_json
-from titan_draft.ops import available_backends, branch_attention
+from titan_draft.ops import attention_kernels, available_backends, branch_attention
 
 
 def parse_args():
@@ -48,6 +48,9 @@ def parse_args():
                         help="from this length on: 1 warm-up and 3 timed calls")
     parser.add_argument("--flex-max-tokens", type=int, default=65536)
     parser.add_argument("--timing", choices=("queued", "synced"), default="queued")
+    parser.add_argument("--cudnn-max-batch-share", type=int, default=None,
+                        help="attention_kernels.CUDNN_MAX_BATCH_SHARE for this run (1: one cuDNN "
+                             "batch per document length, no memory cap)")
     parser.add_argument("--profile", type=int, nargs="*", default=[],
                         help="profile one step at each of these token counts")
     parser.add_argument("--out", default=None, help="JSON path (a .txt table is written beside it)")
@@ -228,6 +231,8 @@ def profile(args, device, tokens):
 
 def main():
     args = parse_args()
+    if args.cudnn_max_batch_share is not None:
+        attention_kernels.CUDNN_MAX_BATCH_SHARE = args.cudnn_max_batch_share
     device = torch.device(args.device)
     generator = torch.Generator().manual_seed(0)
     print(f"device {device} heads {args.heads}/{args.kv_heads} head_dim {args.head_dim} "

@@ -72,6 +72,7 @@ class _BranchAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
         ctx.varlen, ctx.scale = varlen, scale
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse's gradient stays None: no zeros made for it
         return out, lse
 
     @staticmethod

@@ -106,6 +106,7 @@ def _finish_forward(ctx, inputs, out, lse, scale):
     ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
     ctx.scale = scale
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # lse's gradient stays None: no zeros made for it
     return out, lse
 
 
