@@ -1,7 +1,7 @@
 """The diagonal branch and its log-sum-exp merge as two Triton kernels (DESIGN.md section 3).
 
 The references are attention_kernels.add_branch_torch / branch_backward_torch (plain PyTorch,
-same arguments, same results); tests/test_branch_attention.py runs these kernels in
+same arguments, same results); tests/test_branch_triton.py runs these kernels in
 Triton's interpreter on CPU against them in float64, and on a GPU as they are.
 
 Why kernels of their own: the branch is P dot products per query row. Written in PyTorch, every
