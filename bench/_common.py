@@ -73,37 +73,30 @@ def alternate(steps: dict, rounds: int, device: torch.device, group=None, report
     return records
 
 
-def median_time(step, warmup: int, iters: int, device: torch.device, group=None) -> tuple[float, int | None]:
+def median_time(step, warmup: int, iters: int, device: torch.device, group=None, queued: bool = False
+                ) -> tuple[float, int | None]:
     """(median seconds of step() over `iters` timed calls after `warmup` untimed ones, peak bytes
-    allocated on `device` during the timed calls or None off CUDA); see `timed` for process groups."""
+    allocated on `device` during the timed calls or None off CUDA); see `timed` for process groups.
+    queued (CUDA, one process): time the calls as a training step runs a GPU op, queued back to back
+    (no sync between them, so the host prepares the next call while the GPU runs this one), each
+    timed by CUDA events from before its host code to after its last kernel: a call is never shorter
+    than its GPU work, nor than its host work where the host is the slower."""
     for _ in range(warmup):
         step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = [seconds for seconds, _ in alternate({"step": step}, iters, device, group)["step"]]
+    if queued and device.type == "cuda" and group is None:
+        events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(2)) for _ in range(iters)]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        synchronize(device)
+        times = [start.elapsed_time(end) / 1e3 for start, end in events]
+    else:
+        times = [seconds for seconds, _ in alternate({"step": step}, iters, device, group)["step"]]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return statistics.median(times), peak
-
-
-def queued_median_time(step, warmup: int, iters: int, device: torch.device) -> tuple[float, int | None]:
-    """median_time as a training step runs a GPU op: the calls are queued back to back (no sync
-    between them, so the host prepares the next call while the GPU runs this one), each timed by
-    CUDA events from before its host code to after its last kernel. A call is never shorter than
-    its GPU work, nor than its host work where the host is the slower. Off CUDA: median_time."""
-    if device.type != "cuda":
-        return median_time(step, warmup, iters, device)
-    for _ in range(warmup):
-        step()
-    synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(2)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        step()
-        end.record()
-    synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    return statistics.median(start.elapsed_time(end) / 1e3 for start, end in events), peak
 
 
 def gather_peaks(peak: int | None, device: torch.device, group=None) -> list[int] | None:

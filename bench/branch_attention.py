@@ -17,8 +17,8 @@ Columns of each row (tokens, docs, passes P):
 - *_peak_gib: peak allocated memory of each (inputs included), CUDA only.
 Times: median of --iters timed calls after --warmup untimed ones (bench._common). --timing queued
 (default): calls back to back, as the layers of a training step run, each timed by CUDA events
-(queued_median_time); --timing synced: each call alone between two device syncs, so the host's
-launch latency adds to every call (median_time).
+(median_time's queued); --timing synced: each call alone between two device syncs, so the host's
+launch latency adds to every call.
 --profile T... writes a torch.profiler per-kernel table of one branch_attention step at each T.
 """
 import argparse
@@ -27,7 +27,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench._common import environment, median_time, queued_median_time, write_json
+from bench._common import environment, median_time, write_json
 from titan_draft.ops import attention_kernels, available_backends, branch_attention
 
 
@@ -154,8 +154,7 @@ def flex_ttt(inputs: Inputs):
 
 def timed(args, step, device, tokens):
     warmup, iters = (1, 3) if tokens >= args.long_tokens else (args.warmup, args.iters)
-    measure = queued_median_time if args.timing == "queued" else median_time
-    seconds, peak = measure(step, warmup, iters, device)
+    seconds, peak = median_time(step, warmup, iters, device, queued=args.timing == "queued")
     return 1e3 * seconds, None if peak is None else peak / 2 ** 30
 
 
