@@ -99,6 +99,22 @@ def median_time(step, warmup: int, iters: int, device: torch.device, group=None,
     return statistics.median(times), peak
 
 
+def device_time(step, calls: int, device: torch.device) -> float | None:
+    """Seconds of GPU work per call of step(): the summed durations of the kernels, copies and
+    fills it runs (torch.profiler), whatever the host adds around them; None off CUDA. Beside a
+    queued time it tells a call bound by the GPU from one bound by the host that launches it."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        synchronize(device)
+    return sum(event.self_device_time_total for event in prof.key_averages()) / calls / 1e6
+
+
 def gather_peaks(peak: int | None, device: torch.device, group=None) -> list[int] | None:
     """Every rank's peak bytes (rank order), or None off CUDA."""
     if peak is None:

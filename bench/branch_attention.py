@@ -15,6 +15,9 @@ Columns of each row (tokens, docs, passes P):
   mask (document-causal trunk + diagonal branch), block mask built once per shape outside the
   timing; null where it was not run (--flex-max-tokens, out of memory, or no CUDA).
 - *_peak_gib: peak allocated memory of each (inputs included), CUDA only.
+- *_gpu_ms: the GPU's work in one call of each (kernel, copy and fill durations summed over 3
+  profiled calls, bench._common.device_time), CUDA only and below --long-tokens. Where a time is
+  well above its GPU work, the host launching the call is what bounds it.
 Times: median of --iters timed calls after --warmup untimed ones (bench._common). --timing queued
 (default): calls back to back, as the layers of a training step run, each timed by CUDA events
 (median_time's queued); --timing synced: each call alone between two device syncs, so the host's
@@ -27,7 +30,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench._common import environment, median_time, write_json
+from bench._common import device_time, environment, median_time, write_json
 from titan_draft.ops import attention_kernels, available_backends, branch_attention
 
 
@@ -153,9 +156,13 @@ def flex_ttt(inputs: Inputs):
 
 
 def timed(args, step, device, tokens):
-    warmup, iters = (1, 3) if tokens >= args.long_tokens else (args.warmup, args.iters)
+    """(median ms, peak GiB, GPU work ms) of step; see the module docstring."""
+    long = tokens >= args.long_tokens
+    warmup, iters = (1, 3) if long else (args.warmup, args.iters)
     seconds, peak = median_time(step, warmup, iters, device, queued=args.timing == "queued")
-    return 1e3 * seconds, None if peak is None else peak / 2 ** 30
+    gpu_seconds = None if long else device_time(step, 3, device)
+    return (1e3 * seconds, None if peak is None else peak / 2 ** 30,
+            None if gpu_seconds is None else 1e3 * gpu_seconds)
 
 
 def free(device):
@@ -177,7 +184,7 @@ def measure_row(args, tokens, docs, generator, device):
     for passes in args.passes:
         inputs = Inputs(args, tokens, docs, passes, generator)
         branch = timed(args, ours(inputs), device, tokens)
-        flex = (None, None)
+        flex = (None, None, None)
         if device.type == "cuda" and tokens <= args.flex_max_tokens:
             try:
                 flex = timed(args, flex_ttt(inputs), device, tokens)
@@ -185,12 +192,13 @@ def measure_row(args, tokens, docs, generator, device):
                 print(f"flex: out of memory at {tokens} tokens", flush=True)
         del inputs
         free(device)
-        limit_ms, limit_gib = limits[limit_kernel]
+        limit_ms, limit_gib, _ = limits[limit_kernel]
         rows.append(dict(
             tokens=tokens, docs=docs, passes=passes, limit_ms=limit_ms, limit_kernel=limit_kernel,
             limits_ms={name: value[0] for name, value in limits.items()}, trunk_ms=trunk[0],
             branch_ms=branch[0], flex_ms=flex[0], limit_peak_gib=limit_gib, trunk_peak_gib=trunk[1],
-            branch_peak_gib=branch[1], flex_peak_gib=flex[1],
+            branch_peak_gib=branch[1], flex_peak_gib=flex[1], limit_gpu_ms=limits[limit_kernel][2],
+            trunk_gpu_ms=trunk[2], branch_gpu_ms=branch[2], flex_gpu_ms=flex[2],
             trunk_vs_limit=limit_ms / trunk[0], branch_vs_limit=limit_ms / branch[0],
             flex_over_branch=None if flex[0] is None else flex[0] / branch[0],
             trunk_mem_vs_limit=None if limit_gib is None else trunk[1] / limit_gib,
@@ -205,12 +213,14 @@ def format_row(row):
             f"{row['limit_kernel']:>10} {number(row['trunk_ms']):>9} {number(row['branch_ms']):>9} "
             f"{number(row['flex_ms']):>9} {number(row['trunk_vs_limit']):>6} "
             f"{number(row['branch_vs_limit']):>7} {number(row['flex_over_branch']):>9} "
-            f"{number(row['branch_mem_vs_limit']):>8}")
+            f"{number(row['branch_mem_vs_limit']):>8} {number(row['limit_gpu_ms']):>9} "
+            f"{number(row['branch_gpu_ms']):>9}")
 
 
 HEADER = (f"{'tokens':>7} {'docs':>4} {'P':>2} {'limit ms':>9} {'limit':>10} {'trunk ms':>9} "
-          f"{'branch ms':>9} {'flex ms':>9} {'limit/':>6} {'limit/':>7} {'flex/':>9} {'mem vs':>8}\n"
-          f"{'':>76} {'trunk':>6} {'branch':>7} {'branch':>9} {'limit':>8}")
+          f"{'branch ms':>9} {'flex ms':>9} {'limit/':>6} {'limit/':>7} {'flex/':>9} {'mem vs':>8} "
+          f"{'limit gpu':>9} {'branch':>9}\n"
+          f"{'':>76} {'trunk':>6} {'branch':>7} {'branch':>9} {'limit':>8} {'ms':>9} {'gpu ms':>9}")
 
 
 def profile(args, device, tokens):

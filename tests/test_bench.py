@@ -88,6 +88,7 @@ def test_branch_attention_bench_rows(tmp_path):
         assert row["tokens"] == 128 and row["limit_kernel"] == "sdpa"  # FA2 varlen needs CUDA
         assert row["limit_ms"] == row["limits_ms"]["sdpa"] > 0 and row["trunk_ms"] > 0 and row["branch_ms"] > 0
         assert row["flex_ms"] is None and row["limit_peak_gib"] is None  # CUDA only
+        assert row["limit_gpu_ms"] is row["branch_gpu_ms"] is row["flex_gpu_ms"] is None
         assert row["branch_vs_limit"] == row["limit_ms"] / row["branch_ms"]
     assert (tmp_path / "branch_attention.txt").read_text().count("\n") >= 6
 

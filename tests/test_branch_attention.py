@@ -468,12 +468,16 @@ def test_cudnn_document_batches_match_dense(monkeypatch, causal, min_document, m
     """Padded buckets (17 -> 18, 33 -> 36 rows), a view of consecutive equal documents (16, 16),
     empty documents, with min_document 18 the short ones through another backend, and batches
     of every document of a shape (share 1) or of one document each (share 8: at most 118 // 8
-    rows): forward, lse and gradients (fed the final out/lse) equal the dense attention in float64."""
+    rows): forward, lse and gradients (fed the final out/lse) equal the dense attention in float64,
+    whether results start as zeros (rows without keys or queries) or uninitialized (NaN here)."""
     monkeypatch.setattr(cudnn_module, "batch_forward", dense_batch_forward)
     monkeypatch.setattr(cudnn_module, "batch_backward", dense_batch_backward)
     monkeypatch.setattr(kernels_module, "CUDNN_MIN_DOCUMENT", min_document)
     monkeypatch.setattr(kernels_module, "CUDNN_MAX_BATCH_SHARE", max_batch_share)
     monkeypatch.setattr(kernels_module, "CUDNN_BATCH_FLOOR_BYTES", 0)
+    # Results that start uninitialized start as NaN here: a row no kernel wrote would show.
+    monkeypatch.setattr(cudnn_module, "uninitialized",
+                        lambda shape, **kwargs: torch.full(shape, math.nan, **kwargs))
     # The short documents' kernel: FlashAttention-2 on a GPU, played here by the math backend.
     monkeypatch.setattr(kernels_module, "_flash_backend", lambda q: "torch_varlen")
     monkeypatch.setitem(kernels_module._FORWARD, "torch_varlen", kernels_module._math_forward)
@@ -491,6 +495,8 @@ def test_cudnn_document_batches_match_dense(monkeypatch, causal, min_document, m
     groups = {(True, 1): (4, 7), (False, 1): (4, 6), (True, 18): (1, 1), (False, 18): (1, 1)}
     assert len(split.groups) == groups[causal, min_document][max_batch_share == 8]
     assert (split.short_varlen is None) == (min_document == 1)
+    # Causal: every row is some kernel's. Full: 3 queries without keys, 4 keys without queries.
+    assert split.all_rows_written == ((True, True) if causal else (False, False))
     out, lse = kernels_module._cudnn_forward(q, k, v, varlen, 0.3)
     out_ref, lse_ref = dense_block_attention(q, k, v, cu_q, cu_k, causal, 0.3)
     torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)

@@ -33,9 +33,13 @@ def check_against_reference(device, dtype, out_dtype, tolerance):
         lse[:, 0] = -float("inf")  # a row that saw no trunk key
         scale = head_dim ** -0.5
         dq = randn(tokens, q_heads, head_dim, dtype=out_dtype)  # the trunk's share, added to
-        # Both work in place (out, lse forward; dq backward): each gets its own copies.
-        got_dq, want_dq = dq.clone(), dq.clone()
-        got = (*branch_triton.add_branch(out.clone(), lse.clone(), q, branch_k, branch_v, scale),
+        # Both work in place (out, lse forward; dq backward): each gets its own copies. The
+        # kernels' are heads-major (not contiguous) on odd token counts: copied in and dq back.
+        def copy(x):
+            return x.transpose(0, 1).contiguous().transpose(0, 1) if tokens % 2 else x.clone()
+
+        got_dq, want_dq = copy(dq), dq.clone()
+        got = (*branch_triton.add_branch(copy(out), copy(lse), q, branch_k, branch_v, scale),
                *branch_triton.branch_backward(dout, q, branch_k, branch_v, out, lse, scale, got_dq), got_dq)
         want = (*attention_kernels.add_branch_torch(out.clone(), lse.clone(), q, branch_k, branch_v, scale),
                 *attention_kernels.branch_backward_torch(dout, q, branch_k, branch_v, out, lse, scale, want_dq),

@@ -211,6 +211,8 @@ def outside_autocast(forward):
     which autocast never reaches and which recomputes probabilities from the forward's lse."""
     @functools.wraps(forward)
     def wrapper(ctx, q, *args):
+        if not torch.is_autocast_enabled(q.device.type):  # the usual case: no context to enter
+            return forward(ctx, q, *args)
         with torch.autocast(q.device.type, enabled=False):
             return forward(ctx, q, *args)
     return wrapper
@@ -559,6 +561,9 @@ class _CudnnSplit(NamedTuple):
     short_k: torch.Tensor | None
     short_varlen: Varlen | None
     flash: str | None
+    # (query rows, key rows): every row is in a cuDNN group or a short document, none is in a
+    # document without keys (or queries): results start uninitialized, with no zero fill.
+    all_rows_written: tuple[bool, bool]
 
 
 def _split_for_cudnn(q, k, varlen: Varlen) -> _CudnnSplit:
@@ -594,8 +599,11 @@ def _cached_split(bounds_q, bounds_k, causal, min_length, max_batch_rows, tokens
     groups, short = cudnn_attention.split_documents(
         list(bounds_q), list(bounds_k), causal=causal, min_length=min_length,
         max_batch_rows=max_batch_rows, tokens=tokens, device=device)
+    with_keys = [(q1 - q0, k1 - k0) for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:])
+                 if q1 > q0 and k1 > k0]
+    all_rows_written = (sum(n for n, _ in with_keys) == tokens[0], sum(n for _, n in with_keys) == tokens[1])
     if not groups or not short:  # all documents to one kernel: nothing to gather
-        return _CudnnSplit(groups, None, None, None, flash)
+        return _CudnnSplit(groups, None, None, None, flash, all_rows_written)
 
     def rows_and_bounds(spans):
         starts, lengths = (torch.tensor(x) for x in zip(*spans))
@@ -607,14 +615,16 @@ def _cached_split(bounds_q, bounds_k, causal, min_length, max_batch_rows, tokens
 
     short_q, cu_q, max_q = rows_and_bounds([(q0, q1) for q0, q1, _, _ in short])
     short_k, cu_k, max_k = rows_and_bounds([(k0, k1) for _, _, k0, k1 in short])
-    return _CudnnSplit(groups, short_q, short_k, Varlen(cu_q, cu_k, max_q, max_k, causal), flash)
+    return _CudnnSplit(groups, short_q, short_k, Varlen(cu_q, cu_k, max_q, max_k, causal), flash,
+                       all_rows_written)
 
 
 def _cudnn_forward(q, k, v, varlen: Varlen, scale):
     split = _split_for_cudnn(q, k, varlen)
     if not split.groups:
         return _FORWARD[split.flash](q, k, v, varlen, scale)
-    out, lse = cudnn_attention.forward(q, k, v, split.groups, scale=scale, lse_dtype=_compute_dtype(q.dtype))
+    out, lse = cudnn_attention.forward(q, k, v, split.groups, scale=scale, lse_dtype=_compute_dtype(q.dtype),
+                                       rest_written=split.all_rows_written[0])
     if split.short_varlen is not None:
         short_out, short_lse = _FORWARD[split.flash](
             q.index_select(0, split.short_q), k.index_select(0, split.short_k),
@@ -630,9 +640,11 @@ def _cudnn_backward(dout, q, k, v, out, lse, varlen: Varlen, scale):
         return _BACKWARD[split.flash](dout, q, k, v, out, lse, varlen, scale)
     dout, q, k, v = (x.contiguous() for x in (dout.to(q.dtype), q, k, v))
     out = out.to(q.dtype).contiguous()
-    # p = 0 in rows that saw no key: -inf -> +inf, in one kernel (NaN kept as it is).
-    keyless_as_inf = torch.nan_to_num(lse, nan=math.nan, posinf=_INF, neginf=_INF)
-    dq, dk, dv = cudnn_attention.backward(dout, q, k, v, out, keyless_as_inf, split.groups, scale=scale)
+    # p = 0 in rows that saw no key: -inf -> +inf, in one kernel (NaN kept as it is). A causal
+    # row always sees a key, its own: nothing to do there.
+    keyless_as_inf = lse if varlen.causal else torch.nan_to_num(lse, nan=math.nan, posinf=_INF, neginf=_INF)
+    dq, dk, dv = cudnn_attention.backward(dout, q, k, v, out, keyless_as_inf, split.groups, scale=scale,
+                                          rest_written=split.all_rows_written)
     if split.short_varlen is not None:
         rows_q, rows_k = split.short_q, split.short_k
         short = _BACKWARD[split.flash](

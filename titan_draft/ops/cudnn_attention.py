@@ -159,14 +159,29 @@ def _covers(group: Group, tokens: int) -> bool:
     return group.start == 0 and group.docs * group.len_q == tokens
 
 
-def forward(q, k, v, groups: list[Group], *, scale: float, lse_dtype):
+def uninitialized(shape, *, dtype, device) -> torch.Tensor:
+    """torch.empty, for a result whose every element some kernel writes (the tests make it NaN, so
+    that an element left unwritten shows)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _start(shape, *, dtype, device, fill: float, rest_written: bool) -> torch.Tensor:
+    """A result to scatter groups into: `fill` in rows no group writes, or nothing filled where
+    the caller writes those rows itself."""
+    if rest_written:
+        return uninitialized(shape, dtype=dtype, device=device)
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
+def forward(q, k, v, groups: list[Group], *, scale: float, lse_dtype, rest_written: bool = False):
     """(out [T, Hq, D], lse [Hq, T]) of the groups' documents; rows in no group get out = 0 and
-    lse = -inf."""
+    lse = -inf, unless rest_written (the caller writes them: nothing is filled)."""
     tokens, heads = q.shape[:2]
     out = lse = None
     if not (len(groups) == 1 and _covers(groups[0], tokens)):
-        out = torch.zeros_like(q)
-        lse = torch.full((heads, tokens), -_INF, dtype=lse_dtype, device=q.device)
+        out = _start(q.shape, dtype=q.dtype, device=q.device, fill=0.0, rest_written=rest_written)
+        lse = _start((heads, tokens), dtype=lse_dtype, device=q.device, fill=-_INF,
+                     rest_written=rest_written)
     for group in groups:
         group_out, group_lse = batch_forward(  # [docs, Hq, Lq, D], [docs, Hq, Lq, 1]
             _batch(q, group, group.q_rows, group.len_q), _batch(k, group, group.k_rows, group.len_k),
@@ -179,12 +194,15 @@ def forward(q, k, v, groups: list[Group], *, scale: float, lse_dtype):
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, groups: list[Group], *, scale: float):
-    """(dq, dk, dv) of the groups' documents given the FINAL out/lse (zero elsewhere). lse
-    [Hq, T] must already use +inf for rows that saw no key (cuDNN then gives them p = 0)."""
+def backward(dout, q, k, v, out, lse, groups: list[Group], *, scale: float,
+             rest_written: tuple[bool, bool] = (False, False)):
+    """(dq, dk, dv) of the groups' documents given the FINAL out/lse (zero elsewhere, unless
+    rest_written[0] for dq's rows in no group, rest_written[1] for dk/dv's: the caller writes
+    them). lse [Hq, T] must already use +inf for rows that saw no key (cuDNN then gives them p = 0)."""
     whole = len(groups) == 1 and _covers(groups[0], q.shape[0]) and q.shape[0] == k.shape[0]
     if not whole:
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = (_start(x.shape, dtype=x.dtype, device=x.device, fill=0.0, rest_written=written)
+                      for x, written in ((q, rest_written[0]), (k, rest_written[1]), (v, rest_written[1])))
     for group in groups:
         if group.start is None:
             group_lse = lse.index_select(1, group.q_rows)
