@@ -192,12 +192,12 @@ def measure_row(args, tokens, docs, generator, device):
                 print(f"flex: out of memory at {tokens} tokens", flush=True)
         del inputs
         free(device)
-        limit_ms, limit_gib, _ = limits[limit_kernel]
+        limit_ms, limit_gib, limit_gpu_ms = limits[limit_kernel]
         rows.append(dict(
             tokens=tokens, docs=docs, passes=passes, limit_ms=limit_ms, limit_kernel=limit_kernel,
             limits_ms={name: value[0] for name, value in limits.items()}, trunk_ms=trunk[0],
             branch_ms=branch[0], flex_ms=flex[0], limit_peak_gib=limit_gib, trunk_peak_gib=trunk[1],
-            branch_peak_gib=branch[1], flex_peak_gib=flex[1], limit_gpu_ms=limits[limit_kernel][2],
+            branch_peak_gib=branch[1], flex_peak_gib=flex[1], limit_gpu_ms=limit_gpu_ms,
             trunk_gpu_ms=trunk[2], branch_gpu_ms=branch[2], flex_gpu_ms=flex[2],
             trunk_vs_limit=limit_ms / trunk[0], branch_vs_limit=limit_ms / branch[0],
             flex_over_branch=None if flex[0] is None else flex[0] / branch[0],

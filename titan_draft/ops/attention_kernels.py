@@ -296,8 +296,9 @@ def add_branch(out, lse, q, branch_k, branch_v, scale: float):
     """The trunk's (out, lse) with the branch merged in: merge_attn(out, lse,
     *branch_forward(q, branch_k, branch_v, scale)), written into the given out (its dtype kept) and
     lse (float32, float64 for float64 inputs) IN PLACE and returned: callers pass the trunk's own
-    fresh results and use the returned pair (the Triton kernel copies a non-contiguous one first). On a GPU one Triton kernel (ops/branch_triton.py), else add_branch_torch.
-    Without a branch (None, or P = 0): (out, lse) as given."""
+    fresh results and use the returned pair (the Triton kernel copies a non-contiguous one first).
+    On a GPU one Triton kernel (ops/branch_triton.py), else add_branch_torch. Without a branch
+    (None, or P = 0): (out, lse) as given."""
     if not _has_branch(branch_k):
         return out, lse
     if q.is_cuda and _HAS_TRITON:

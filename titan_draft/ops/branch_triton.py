@@ -119,9 +119,11 @@ def _branch_backward(q_ptr, bk_ptr, bv_ptr, out_ptr, lse_ptr, dout_ptr, scale_pt
 
 
 @functools.lru_cache(maxsize=64)
-def _launch_shape(tokens: int, q_heads: int, head_dim: int, passes: int, kv_heads: int):
+def _launch_shape(q_shape: torch.Size, branch_shape: torch.Size):
     """(grid, constexpr keywords) for a [T, Hq, D] query and [P, T, Hkv, D] branch (cached: it
     is worked out on the host at every call, in Python)."""
+    tokens, q_heads, head_dim = q_shape
+    passes, _, kv_heads, _ = branch_shape
     group = q_heads // kv_heads
     block_g, block_d = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
     block_t = max(1, _TILE_ELEMENTS // (block_g * block_d))
@@ -142,7 +144,7 @@ def add_branch(out, lse, q, branch_k, branch_v, scale: float):
     [T, Hq, D] and lse [Hq, T] IN PLACE (into contiguous copies first where they are not
     contiguous); returns them."""
     q, branch_k, branch_v, out, lse = (x.contiguous() for x in (q, branch_k, branch_v, out, lse))
-    grid, shape = _launch_shape(*q.shape, *branch_k.shape[::2])
+    grid, shape = _launch_shape(q.shape, branch_k.shape)
     _branch_merge_forward[grid](q, branch_k, branch_v, out, lse, _scale_tensor(scale, lse.dtype, lse.device),
                                 q.shape[0], **shape)
     return out, lse
@@ -154,7 +156,7 @@ def branch_backward(dout, q, branch_k, branch_v, out, lse, scale: float, dq):
     q, dout, branch_k, branch_v, out, lse = (x.contiguous() for x in (q, dout, branch_k, branch_v, out, lse))
     dq_rows = dq.contiguous()  # dq itself, unless its layout needs a copy (then copied back)
     dbranch_k, dbranch_v = torch.empty_like(branch_k), torch.empty_like(branch_v)
-    grid, shape = _launch_shape(*q.shape, *branch_k.shape[::2])
+    grid, shape = _launch_shape(q.shape, branch_k.shape)
     _branch_backward[grid](q, branch_k, branch_v, out, lse, dout, _scale_tensor(scale, lse.dtype, lse.device),
                            dq_rows, dbranch_k, dbranch_v, q.shape[0], **shape)
     if dq_rows is not dq:
