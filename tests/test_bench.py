@@ -3,7 +3,8 @@ write the JSON their README tables are made from:
 (a) bench.rl_step --preset tiny: none / frozen / cotrain side by side from one warm-started state (or a
     subset of them, --modes);
 (b) bench.rollout_speedup --preset smoke: plain, every fixed K and adaptive K per batch size;
-(c) bench.branch_attention on CPU: the row fields of bench/results/branch_attention_h200.json.
+(c) bench.branch_attention on CPU: the row fields of bench/results/branch_attention_h200.json;
+(d) bench.linear_logprobs --device cpu --tiny: dense, chunked and (CUDA only) liger side by side.
 """
 import json
 import os
@@ -101,3 +102,18 @@ def test_decode_attention_bench_rows(tmp_path):
     assert [(row["batch"], row["queries"], row["width"]) for row in rows] == [(1, 1, 17), (1, 3, 17), (3, 1, 17),
                                                                               (3, 3, 17)]
     assert all(row["sdpa_ms"] > 0 and row["engine_ms"] > 0 for row in rows)
+
+
+def test_linear_logprobs_bench_tiny(tmp_path):
+    out = tmp_path / "linear_logprobs.json"
+    run_bench("bench.linear_logprobs", "--device", "cpu", "--tiny", "--warmup", "1", "--iters", "1", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["liger_kernel"] == "not installed" or report["liger_kernel"].endswith(", needs CUDA")
+    variants = ["dense", "chunk_32", "chunk_128"]  # no liger off CUDA
+    assert [(row["rows"], row["variant"]) for row in report["rows"]] == [(r, v) for r in (128, 512) for v in variants]
+    for row in report["rows"]:
+        assert row["ms"] > 0 and row["peak_gib"] is None  # CUDA only
+        assert row["grad_err"] < 2e-2  # every variant's gradients agree with chunk_32's (bf16 rounding)
+        assert row["grad_err"] == 0 if row["variant"] == "chunk_32" else row["grad_err"] > 0
+    dense = {row["rows"]: row["ms"] for row in report["rows"] if row["variant"] == "dense"}
+    assert all(row["dense_over"] == dense[row["rows"]] / row["ms"] for row in report["rows"])
