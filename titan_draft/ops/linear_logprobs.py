@@ -1,12 +1,13 @@
 """Per-token log-probabilities, entropy and the draft's teacher straight from hidden states and the LM
 head, chunked over rows so that the full logits never exist.
 
-Why: at the Qwen3-1.7B shape (hidden 2048, vocabulary V = 151,936) an RL step scores ~80K response
-rows R. The logits [R, V] are 24.3 GB in bf16, their float32 copy for the log-softmax 48.6 GB more,
-and autograd keeps both (and the log-softmax output) for the backward. Chunked over N rows, one
-chunk's logits in bf16 plus two float32 temporaries are N * V * 10 bytes (6.2 GB at N = 4096), and
-the backward adds one float32 [V, H] buffer for the LM head's gradient (1.2 GB); what the forward
-keeps for the backward is hidden, weight, targets and the float32 logsumexp [R] (0.3 MB).
+Why: at the Qwen3-1.7B shape (hidden H = 2048, vocabulary V = 151,936) an RL step scores ~80K
+response rows R. Their logits [R, V] are 24.3 GB in bf16 and 48.6 GB as the float32 copy the
+log-softmax needs; autograd keeps the float32 log-softmax for the backward, which then makes a
+float32 gradient of the same size. Chunked over N rows, a chunk's bf16 logits and its float32
+temporaries take about N * V * 14 bytes in the forward (8.7 GB at N = 4096; 1.1 GB at N = 512),
+the backward adds one float32 [V, H] buffer for the LM head's gradient (1.2 GB), and what the
+forward keeps for the backward is hidden, weight, targets and the float32 logsumexp [R] (0.3 MB).
 
 Math. logits = hidden @ weight.T; lse = logsumexp(logits); log p_t = logits[t] - lse;
 entropy = lse - sum(softmax * logits). For an upstream gradient g on log p_t:
@@ -94,11 +95,12 @@ def _dense_token_outputs(hidden, weight, targets, teacher_ids, teacher_rows) -> 
     logits = hidden @ weight.T
     logp = F.log_softmax(logits.to(_statistics_dtype(logits.dtype)), dim=-1)
     logprobs = logp.gather(1, targets[:, None]).squeeze(1)
-    entropy = -(logp.exp() * logp).sum(-1).detach()
-    if teacher_ids is None:
-        return TokenOutputs(logprobs, entropy, None, None)
-    teacher = logits.detach() if teacher_rows is None else logits.detach()[teacher_rows]
-    return TokenOutputs(logprobs, entropy, teacher[:, teacher_ids], teacher.argmax(-1))
+    with torch.no_grad():  # metrics and targets: no graph kept for them
+        entropy = -(logp.exp() * logp).sum(-1)
+        if teacher_ids is None:
+            return TokenOutputs(logprobs, entropy, None, None)
+        teacher = logits if teacher_rows is None else logits[teacher_rows]
+        return TokenOutputs(logprobs, entropy, teacher[:, teacher_ids], teacher.argmax(-1))
 
 
 class _ChunkedTokenOutputs(torch.autograd.Function):
