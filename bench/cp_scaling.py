@@ -48,7 +48,8 @@ from bench._common import (
 from bench.cp_attention import local_inputs, time_step
 from titan_draft import _compat
 from titan_draft.config import parse_config
-from titan_draft.cotrain import CoTrainSpec, draft_loss
+from titan_draft.cotrain import CoTrainSpec, DraftFeatures, draft_loss, valid_pairs
+from titan_draft.models.draft import Teacher
 from titan_draft.models import build_draft
 from titan_draft.models.policy import TapRecorder, forward_packed, policy_from_args
 from titan_draft.ops import branch_attention
@@ -58,7 +59,6 @@ from titan_draft.parallel.context_parallel import apply_context_parallel, shard_
 from titan_draft.parallel.cp_attention import MODES
 from titan_draft.parallel.parallelize import (
     build_parallel_dims,
-    loss_group,
     loss_scale,
     parallelize_draft,
     parallelize_policy,
@@ -193,6 +193,7 @@ def measure_cotrain(args, device) -> list[dict]:
             batch = shard_batch_for_cp(sample, mesh, mode)
         targets = batch.shift(1)(batch.tokens, 1)
         count = sum_over_dp(batch.loss_mask.sum().float(), dims, "loss")
+        pairs = sum_over_dp(valid_pairs(batch.loss_mask, batch.shift(spec.ttt_steps), spec.ttt_steps), dims, "loss")
 
         def step():
             policy.zero_grad(set_to_none=True)
@@ -202,8 +203,9 @@ def measure_cotrain(args, device) -> list[dict]:
                     logits = forward_packed(policy, batch)
                 mask = batch.loss_mask
                 policy_loss = F.cross_entropy(logits[mask].float(), targets[mask], reduction="sum") / count
-                ttt, _ = draft_loss(draft, recorder.embeddings(), recorder.taps(), logits, batch, spec,
-                                    group=loss_group(dims))
+                features = DraftFeatures(batch, recorder.embeddings(), recorder.taps(),
+                                         Teacher.from_logits(logits, draft.target_ids()))
+                ttt, _ = draft_loss(draft, features, spec, count=pairs)
             loss = policy_loss + cfg.draft.loss_weight * ttt
             (loss_scale(dims) * loss).backward()
             last_loss[0] = loss.detach().float()

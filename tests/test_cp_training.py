@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from titan_draft.cotrain import CoTrainSpec, draft_loss
+from titan_draft.cotrain import CoTrainSpec, DraftFeatures, draft_loss, valid_pairs
+from titan_draft.models.draft import Teacher
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.packing import pack
@@ -58,8 +59,15 @@ def _step(policy, draft, batch, group, documents=None):
         dist.all_reduce(count, group=group)
     policy_loss = F.cross_entropy(logits[mask], shift(batch.tokens, 1)[mask], reduction="sum") / count
     spec = CoTrainSpec(LAYERS, ttt_steps=TTT_STEPS, pass_decay=PASS_DECAY)
-    ttt, _ = draft_loss(draft, recorder.embeddings(), recorder.taps(), logits, batch, spec, group=group,
-                        documents=documents)
+    pairs = valid_pairs(mask, shift, TTT_STEPS)
+    if group is not None:
+        dist.all_reduce(pairs, group=group)
+    features = DraftFeatures(batch, recorder.embeddings(), recorder.taps(),
+                             Teacher.from_logits(logits, draft.target_ids()))
+    scale = 1.0
+    if documents is not None:  # as WholePolicy weights a draw: documents / documents drawn
+        features, scale = features.documents(documents), (len(batch.cu_seqlens) - 1) / len(documents)
+    ttt, _ = draft_loss(draft, features, spec, count=pairs, scale=scale)
     (policy_loss + ttt).backward()
     return policy_loss.detach(), ttt.detach(), logits.detach()
 

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from titan_draft.cotrain import CoTrainSpec, draft_loss, draft_metrics, sample_documents
-from titan_draft.models.draft import DraftArgs, EagleDraft, build_draft_vocab, ttt_loss
+from titan_draft.cotrain import CoTrainSpec, DraftFeatures, draft_loss, draft_metrics, sample_documents, valid_pairs
+from titan_draft.models.draft import DraftArgs, EagleDraft, Teacher, build_draft_vocab, ttt_loss
 from titan_draft.ops import branch_attention
 from titan_draft.packing import DocumentShift, pack
 
@@ -124,6 +124,14 @@ def naive_ttt_loss(draft, emb, taps, teacher, loss_mask, lengths, ttt_steps, pas
 # ---------------------------------------------------------------------------------------------
 
 
+def features(draft, batch, emb, taps, teacher_logits):
+    return DraftFeatures(batch, emb, taps, Teacher.from_logits(teacher_logits, draft.target_ids()))
+
+
+def pairs(batch, ttt_steps):
+    return valid_pairs(batch.loss_mask, batch.shift(ttt_steps), ttt_steps)
+
+
 def rel_err(actual, expected):
     return ((actual - expected).norm() / expected.norm().clamp(min=1e-300)).item()
 
@@ -151,7 +159,8 @@ def test_ttt_forward_and_loss_match_naive(ttt_steps):
     shift = DocumentShift(cu)
     states = draft.ttt_forward(emb_a, taps_a, positions, ttt_steps, shift,
                                lambda q, k, v, bk, bv: branch_attention(q, k, v, bk, bv, cu_seqlens=cu))
-    total, count, stats = ttt_loss(draft, states, teacher, loss_mask, shift, PASS_DECAY)
+    total, count, stats = ttt_loss(draft, states, Teacher.from_logits(teacher, draft.target_ids()), loss_mask, shift,
+                                   PASS_DECAY)
     loss = total / count
     got = torch.autograd.grad(loss, [*params.values(), emb_a, taps_a])
 
@@ -175,7 +184,8 @@ def test_cotrain_draft_loss_is_the_same_loss():
     emb, taps, teacher, loss_mask = inputs(7)
     tokens = torch.zeros(sum(LENGTHS), dtype=torch.long)
     batch = pack(list(tokens.split(LENGTHS)), list(loss_mask.split(LENGTHS)))
-    loss, per_pass = draft_loss(draft, emb, taps, teacher, batch, CoTrainSpec([0], ttt_steps=3, pass_decay=PASS_DECAY))
+    loss, per_pass = draft_loss(draft, features(draft, batch, emb, taps, teacher),
+                                CoTrainSpec([0], ttt_steps=3, pass_decay=PASS_DECAY), count=pairs(batch, 3))
     metrics = draft_metrics(per_pass)
     got = torch.autograd.grad(loss, list(draft.parameters()))
     ref, _ = naive_ttt_loss(draft, emb, taps, teacher, loss_mask, LENGTHS, 3, PASS_DECAY)
@@ -208,12 +218,18 @@ def test_sampled_documents_give_an_unbiased_loss_and_gradient():
     batch = pack(list(torch.zeros(sum(LENGTHS), dtype=torch.long).split(LENGTHS)), list(loss_mask.split(LENGTHS)))
     spec = CoTrainSpec([0], ttt_steps=3, pass_decay=PASS_DECAY)
     params = list(draft.parameters())
-    full = draft_loss(draft, emb, taps, teacher, batch, spec)[0]
+    whole, count = features(draft, batch, emb, taps, teacher), pairs(batch, 3)
+    full = draft_loss(draft, whole, spec, count=count)[0]
     want = torch.autograd.grad(full, params)
     draws = list(itertools.combinations(range(len(LENGTHS)), 3))
+    scale = len(LENGTHS) / 3  # documents / documents drawn, as WholePolicy weights a draw
+
+    def drawn_loss(draw):
+        return draft_loss(draft, whole.documents(torch.tensor(draw)), spec, count=count, scale=scale)
+
     mean_loss, mean_grads = 0.0, [torch.zeros_like(p) for p in params]
     for draw in draws:
-        loss, per_pass = draft_loss(draft, emb, taps, teacher, batch, spec, documents=torch.tensor(draw))
+        loss, per_pass = drawn_loss(draw)
         mean_loss += loss.item() / len(draws)
         for acc, g in zip(mean_grads, torch.autograd.grad(loss, params)):
             acc += g / len(draws)
@@ -222,7 +238,7 @@ def test_sampled_documents_give_an_unbiased_loss_and_gradient():
     for got, expected in zip(mean_grads, want):  # float64 up to torchtitan's float32 RoPE (as above)
         assert rel_err(got, expected) < 1e-6
     # one draw is not the full loss (the comparison above is not trivially of equal terms)
-    assert abs(draft_loss(draft, emb, taps, teacher, batch, spec, documents=torch.tensor(draws[0]))[0] - full) > 1e-3
+    assert abs(drawn_loss(draws[0])[0] - full) > 1e-3
 
 
 def test_sample_documents_draws_a_fraction_without_replacement():
@@ -252,7 +268,7 @@ def test_ttt_loss_counts_valid_pairs_on_hand_example():
     draft = make_draft(0)
     T, D = 8, 3
     states = [torch.randn(T, DIM, dtype=F64) for _ in range(D)]
-    teacher = torch.randn(T, TARGET_VOCAB, dtype=F64)
+    teacher = Teacher.from_logits(torch.randn(T, TARGET_VOCAB, dtype=F64), draft.target_ids())
     total, count, stats = ttt_loss(draft, states, teacher, loss_mask, DocumentShift(cu), PASS_DECAY)
     assert int(count) == sum(expected_per_pass) == 4
     assert [int(n) for _, n, _ in stats] == expected_per_pass

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
 
 from titan_draft import _compat  # noqa: E402,F401
-from titan_draft.models.draft import EagleDraft, draft_args_for, ttt_loss  # noqa: E402
+from titan_draft.models.draft import EagleDraft, Teacher, draft_args_for, ttt_loss  # noqa: E402
 from titan_draft.models.policy import TapRecorder, forward_packed, install_packed_attention, model_args  # noqa: E402
 from titan_draft.ops import branch_attention  # noqa: E402
 from titan_draft.packing import DocumentShift, pack  # noqa: E402
@@ -73,7 +73,8 @@ def single_process(policy, draft, tokens, labels):
     shift = DocumentShift(batch.cu_seqlens)
     states = draft.ttt_forward(rec.embeddings(), rec.taps(), batch.positions, SPEC.ttt_steps, shift,
                                partial(branch_attention, cu_seqlens=batch.cu_seqlens))
-    total, count, _ = ttt_loss(draft, states, logits.detach(), batch.loss_mask, shift, SPEC.pass_decay)
+    teacher = Teacher.from_logits(logits, draft.target_ids())
+    total, count, _ = ttt_loss(draft, states, teacher, batch.loss_mask, shift, SPEC.pass_decay)
     draft_loss = total / count
     (policy_loss + SPEC.loss_weight * draft_loss).backward()
     return policy_loss.item(), draft_loss.item()

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
 
-from titan_draft.models.draft import DraftArgs, EagleDraft, soft_cross_entropy, ttt_loss  # noqa: E402
+from titan_draft.models.draft import DraftArgs, EagleDraft, Teacher, soft_cross_entropy, ttt_loss  # noqa: E402
 from titan_draft.packing import DocumentShift  # noqa: E402
 from titan_draft.ops import branch_attention  # noqa: E402
 
@@ -45,7 +45,7 @@ def loss_and_grads(draft, emb, taps, teacher, mask, ttt_steps):
     shift = DocumentShift(cu)
     states = draft.ttt_forward(emb, taps, positions, ttt_steps, shift,
                                lambda q, k, v, bk, bv: branch_attention(q, k, v, bk, bv, cu_seqlens=cu))
-    total, count, stats = ttt_loss(draft, states, teacher, mask, shift, 0.8)
+    total, count, stats = ttt_loss(draft, states, Teacher.from_logits(teacher, draft.target_ids()), mask, shift, 0.8)
     (total / count).backward()
     grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
              for n, p in draft.named_parameters()}

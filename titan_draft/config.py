@@ -100,6 +100,18 @@ class RL:
     stop_after_skips: int = 3
     """Stop the job (exit 3) after this many RL steps in a row whose policy update was skipped because its
     loss or gradient norm was not finite; 0 = never stop."""
+    kl_to_start_metric: bool = False
+    """Report kl_to_start (mean log p - log p_ref over response tokens) when kl_coef = 0 too. The reference
+    (start-of-RL) policy is only built when kl_coef > 0 or this is set: it costs a copy of the weights (in
+    the compute dtype) and one more forward per step."""
+    logprob_chunk_size: int = 0
+    """Rows per chunk of the LM head in SFT, the GRPO loss and the draft's teacher: log-probs, entropy and
+    teacher logits come from the final hidden states chunk by chunk, and backward recomputes each chunk's
+    logits, so no [rows, vocabulary] tensor is kept; 0 = all rows in one (full logits)."""
+    max_tokens_per_microbatch: int = 0
+    """Packed rows (tokens) per forward and backward of the RL update, SFT and the draft warm-up: batches are
+    split into micro-batches of whole documents, gradients accumulate and the losses keep the whole batch's
+    normalisation; 0 = the whole batch in one. Must hold one document: >= training.seq_len."""
 
 
 @dataclass
@@ -119,7 +131,28 @@ class Rollout:
 
 
 @dataclass
+class ActivationCheckpoint:
+    """Merged into torchtitan's [activation_checkpoint] section: only the default differs."""
+
+    mode: Literal["selective", "full", "memory_budget", "none"] = "none"
+    """Activation checkpointing of the policy's layers, applied as torchtitan applies it
+    (parallelize.apply_activation_checkpointing); none by default: the small presets fit without it."""
+
+
+@dataclass
+class LRScheduler:
+    """Merged into torchtitan's [lr_scheduler] section, which schedules the SFT warm start's learning rate
+    (rl.sft_lr over rl.sft_steps; RL runs at a constant rl.lr): titan_draft's defaults are 20 warm-up
+    steps, then constant. A decay (decay_ratio, decay_type, min_lr_factor) ends SFT at a low rate."""
+
+    warmup_steps: int = 20
+    decay_ratio: float | None = 0.0
+
+
+@dataclass
 class JobConfig:
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     task: Task = field(default_factory=Task)
     draft: Draft = field(default_factory=Draft)
     rl: RL = field(default_factory=RL)
@@ -179,6 +212,11 @@ def validate(cfg, world_size: int) -> None:
     need(rl.sft_batch_size >= 1, f"rl.sft_batch_size: {rl.sft_batch_size} must be >= 1")
     need(rl.clip_eps > 0, f"rl.clip_eps: {rl.clip_eps} must be > 0 (the ratio is clipped to 1 - clip_eps .. "
          "1 + clip_eps)")
+    need(rl.logprob_chunk_size >= 0, f"rl.logprob_chunk_size: {rl.logprob_chunk_size} must be >= 0 (rows per "
+         "chunk of the LM head; 0 = no chunking)")
+    need(rl.max_tokens_per_microbatch == 0 or rl.max_tokens_per_microbatch >= cfg.training.seq_len,
+         f"rl.max_tokens_per_microbatch: {rl.max_tokens_per_microbatch} is below training.seq_len = "
+         f"{cfg.training.seq_len}, which one rollout can fill; use 0 (no micro-batches) or >= {cfg.training.seq_len}")
     t = cfg.task
     need(0 <= t.sft_swap_prob <= 1, f"task.sft_swap_prob: {t.sft_swap_prob} must be a probability in [0, 1]")
 
@@ -206,8 +244,17 @@ def validate(cfg, world_size: int) -> None:
     check_task(cfg, vocab_size)  # the task's own lengths, data and tokenizer
     need(cfg.training.seq_len % (2 * cp) == 0, f"training.seq_len: {cfg.training.seq_len} is not divisible by "
          f"2 * context_parallel_degree = {2 * cp}; use a multiple of {2 * cp}")
+    ac = cfg.activation_checkpoint.mode
+    need(ac != "memory_budget", f"activation_checkpoint.mode: '{ac}' needs a compiled model, which titan_draft "
+         "does not compile; use 'none', 'selective' or 'full'")
     pp = p.pipeline_parallel_degree
     need(pp <= n_layers, f"parallelism.pipeline_parallel_degree: {pp} exceeds the policy's {n_layers} layers")
+    need(pp == 1 or rl.max_tokens_per_microbatch == 0, f"rl.max_tokens_per_microbatch: "
+         f"{rl.max_tokens_per_microbatch} splits whole-batch steps; pipeline stages already run micro-batches "
+         "(parallelism.pipeline_parallel_microbatch_size): set it to 0")
+    need(pp == 1 or rl.logprob_chunk_size == 0, f"rl.logprob_chunk_size: {rl.logprob_chunk_size} is not wired "
+         "through pipeline stages (their last stage returns full logits per microbatch); set it to 0 or "
+         "parallelism.pipeline_parallel_degree to 1")
     need(pp == 1 or d.train_fraction == 1, f"draft.train_fraction: {d.train_fraction} needs the draft on whole "
          "batches, but pipeline stages train it per microbatch; set it to 1 or parallelism.pipeline_parallel_degree to 1")
     _validate_composition(cfg, world_size, args, need)
@@ -275,6 +322,8 @@ def _validate_composition(cfg, world_size: int, args, need) -> None:
         _validate_pipeline(cfg, dp, args.n_layers, need)
     tp = p.tensor_parallel_degree
     if tp > 1:
+        need(cfg.rl.logprob_chunk_size == 0, f"rl.logprob_chunk_size: {cfg.rl.logprob_chunk_size} needs the whole LM "
+             "head on every rank, but tensor parallelism splits it over the vocabulary; set it to 0")
         need(cfg.model.name == "llama3", f"model.name: tensor parallelism is wired for llama3 only, not "
              f"'{cfg.model.name}'; set parallelism.tensor_parallel_degree = 1")
         heads = {"policy heads (model.flavor)": args.n_heads, "policy kv heads (model.flavor)": args.n_kv_heads or

@@ -3,8 +3,9 @@
 The policy forward that computes the policy's loss also records the taps; the draft trains on
 those detached features with the policy's detached logits as teacher (docs/DESIGN.md section 2).
 The draft owns its optimizer, learning rate and gradient clip, so nothing it does reaches the
-policy's update. Every layout (one process, FSDP/TP/CP, pipeline stages) calls `draft_loss` or
-`ttt_loss` with a CoTrainSpec, and steps through one DraftOptimizer.
+policy's update. The whole-batch layouts (one process, FSDP/TP/CP) and the warm-up collect the
+draft's rows as DraftFeatures and run `draft_backward` (micro-batched `draft_loss`); pipeline stages
+call `ttt_loss` per microbatch. All step through one DraftOptimizer.
 """
 import copy
 import math
@@ -12,10 +13,9 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from titan_draft.models.draft import EagleDraft, ttt_loss
-from titan_draft.packing import PackedBatch
+from titan_draft.models.draft import EagleDraft, Teacher, ttt_loss
+from titan_draft.packing import PackedBatch, document_lengths, microbatch_ranges
 
 
 @dataclass
@@ -32,34 +32,61 @@ class CoTrainSpec:
         return cls(list(tap_layers), draft_cfg.ttt_steps, draft_cfg.pass_decay, draft_cfg.loss_weight)
 
 
-def draft_loss(draft: EagleDraft, emb: torch.Tensor, taps: torch.Tensor, teacher_logits: torch.Tensor,
-               batch: PackedBatch, spec: CoTrainSpec, group: dist.ProcessGroup | None = None,
-               documents: torch.Tensor | None = None):
-    """(loss, per-pass sums [D, (agree, n, ce_sum)] over `group`): the TTT loss normalised by the valid
-    (anchor, pass) pairs of all ranks in `group`. The batch says how its rows attend and shift (whole,
-    or a context-parallel shard).
+def draft_loss(draft: EagleDraft, features: "DraftFeatures", spec: CoTrainSpec, *, count: torch.Tensor,
+               scale: float = 1.0):
+    """(loss, per-pass sums [D, (agree, n, ce_sum)] of these rows): the TTT loss sum x scale / count.
 
-    documents (ascending indices into the batch's documents, drawn uniformly without replacement, see
-    sample_documents): the draft runs on those only. Their loss sum is scaled by (documents in the batch /
-    documents drawn) and normalised by the pairs of ALL documents, so that its expectation over the draw
-    is exactly the loss over the whole batch (docs/DESIGN.md 2.5); the per-pass sums are the drawn ones'."""
-    count, scale = None, 1.0
-    if documents is not None:
-        count = valid_pairs(batch.loss_mask, batch.shift(spec.ttt_steps), spec.ttt_steps)
-        scale = (len(batch.cu_seqlens) - 1) / len(documents)
-        batch, rows = batch.documents(documents)
-        emb, taps, teacher_logits = emb[rows], taps[rows], teacher_logits[rows]
+    count: the valid (anchor, pass) pairs the step normalises by (valid_pairs of ALL its documents, over
+    every rank and micro-batch); scale: (documents of the step / documents drawn), so that the loss over
+    documents drawn uniformly without replacement (sample_documents) is an exactly unbiased estimate of
+    the loss over all of them (docs/DESIGN.md 2.5); 1 when every document trains. The batch says how its
+    rows attend and shift (whole, or a context-parallel shard)."""
+    batch = features.batch
     shift = batch.shift(spec.ttt_steps)
-    states = draft.ttt_forward(emb.detach(), taps.detach(), batch.positions, spec.ttt_steps, shift,
-                               batch.draft_attention)
-    total, drawn_count, stats = ttt_loss(draft, states, teacher_logits.detach(), batch.loss_mask, shift,
-                                         spec.pass_decay)
-    total, count = total * scale, drawn_count if count is None else count
+    states = draft.ttt_forward(features.emb.detach(), features.taps.detach(), batch.positions, spec.ttt_steps,
+                               shift, batch.draft_attention)
+    total, _, stats = ttt_loss(draft, states, features.teacher, batch.loss_mask, shift, spec.pass_decay)
     per_pass = torch.stack([torch.stack(s) for s in stats]).float()
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(count, group=group)
-        dist.all_reduce(per_pass, group=group)
-    return total / count.clamp(min=1), per_pass
+    return total * scale / count.clamp(min=1), per_pass
+
+
+@dataclass
+class DraftFeatures:
+    """What the draft trains on, taken from the policy's forward: the packed documents (or this rank's
+    context-parallel shard of them) and, per row, the token embeddings, the taps and the Teacher."""
+
+    batch: PackedBatch
+    emb: torch.Tensor
+    taps: torch.Tensor
+    teacher: Teacher
+
+    def documents(self, index: range | torch.Tensor) -> "DraftFeatures":
+        """Documents `index` of the batch (a range, or ascending indices), as features of their own."""
+        if isinstance(index, range):
+            if len(index) == len(self.batch.cu_seqlens) - 1:
+                return self
+            index = torch.arange(index.start, index.stop)
+        batch, rows = self.batch.documents(index)
+        return DraftFeatures(batch, self.emb[rows], self.taps[rows], self.teacher.rows(rows))
+
+
+def draft_backward(draft: EagleDraft, features: DraftFeatures, spec: CoTrainSpec, *, count: torch.Tensor,
+                   scale: float = 1.0, max_tokens: int = 0, group=None, train: bool = True,
+                   grad_scale: float = 1.0):
+    """The TTT loss of `features` in micro-batches of whole documents (at most max_tokens rows each; 0:
+    one), each backpropagated right away when `train` (times grad_scale x spec.loss_weight). Returns the
+    detached loss (the sum over micro-batches) and the per-pass sums of these rows. group: the ranks that
+    must run as many micro-batches (packing.microbatch_ranges)."""
+    total = torch.zeros((), device=features.emb.device)
+    per_pass = torch.zeros(spec.ttt_steps, 3, device=features.emb.device)
+    lengths = document_lengths(features.batch)
+    for index in microbatch_ranges(lengths, max_tokens, group=group):
+        with torch.set_grad_enabled(train):
+            loss, stats = draft_loss(draft, features.documents(index), spec, count=count, scale=scale)
+        if train:
+            (grad_scale * spec.loss_weight * loss).backward()
+        total, per_pass = total + loss.detach(), per_pass + stats
+    return total, per_pass
 
 
 def valid_pairs(loss_mask: torch.Tensor, shift, ttt_steps: int) -> torch.Tensor:

@@ -2,6 +2,8 @@
 import torch
 import torch.nn.functional as F
 
+from titan_draft.ops.linear_logprobs import TokenOutputs
+
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """(r - mean of its group) / (std of its group + eps); rewards [N] ordered group by group."""
@@ -12,11 +14,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
 def next_token_logprobs(logits: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
     """log p(next_tokens[t]) under logits [T, V] for every row t [T], in float32."""
     return -F.cross_entropy(logits.float(), next_tokens, reduction="none")
-
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    logp = F.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -40,20 +37,22 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     return loss, {"clip_frac": ((clipped * mask).sum() / mask.sum().clamp(min=1)).item()}
 
 
-def grpo_objective(logits: torch.Tensor, next_tokens: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                   ref_logprobs: torch.Tensor, clip_eps: float, kl_coef: float, num_tokens: torch.Tensor):
-    """The RL step's policy loss from one forward, and its metric sums over the masked rows.
+def grpo_objective(outputs: TokenOutputs, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None,
+                   clip_eps: float, kl_coef: float, num_tokens: torch.Tensor):
+    """The RL step's policy loss over response rows, and its metric sums.
 
     On-policy: the old log-probabilities are the current ones, detached (one update per batch of
-    rollouts). Rows [T]: logits [T, V], the next token, the document's advantage, the mask of
-    response rows, the reference policy's log-probabilities. Returns (grpo_loss normalised by
-    num_tokens, detached float32 sums [loss, entropy, log p - log p_ref, clipped rows]). The
-    single-process step and every pipeline microbatch call this one function.
+    rollouts). Per response row [R]: the policy head's log-probs and entropy (TokenOutputs), the
+    document's advantage, the reference policy's log-probs (None: no KL term, no KL sum). Returns
+    (grpo_loss normalised by num_tokens, detached float64 sums [loss, entropy, log p - log p_ref,
+    clipped rows]). Every layout and micro-batch calls this one function.
     """
-    logprobs = next_token_logprobs(logits, next_tokens)
-    loss, stats = grpo_loss(logprobs, logprobs.detach(), advantages, mask, clip_eps, ref_logprobs, kl_coef,
+    logprobs = outputs.logprobs
+    every_row = torch.ones_like(logprobs, dtype=torch.bool)
+    loss, stats = grpo_loss(logprobs, logprobs.detach(), advantages, every_row, clip_eps, ref_logprobs, kl_coef,
                             num_tokens=num_tokens)
     with torch.no_grad():
-        sums = torch.stack([loss.float(), token_entropy(logits[mask]).sum(), (logprobs - ref_logprobs)[mask].sum(),
-                            stats["clip_frac"] * mask.sum().float()])
+        kl = (logprobs - ref_logprobs).sum() if ref_logprobs is not None else torch.zeros_like(loss)
+        sums = torch.stack([loss.double(), outputs.entropy.double().sum(), kl.double(),
+                            torch.tensor(stats["clip_frac"] * len(logprobs), dtype=torch.float64, device=loss.device)])
     return loss, sums

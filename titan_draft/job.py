@@ -13,7 +13,8 @@ from titan_draft.eagle3 import load_draft
 from titan_draft.hf import load_policy
 from titan_draft.metrics import MetricsLogger
 from titan_draft.models import build_models
-from titan_draft.parallel.parallelize import dp_rank_and_degree, parallelize_draft, parallelize_policy, training_autocast
+from titan_draft.parallel.parallelize import (apply_activation_checkpointing, dp_rank_and_degree, parallelize_draft,
+                                              parallelize_policy, training_autocast)
 from titan_draft.tasks import build_task
 from titan_draft.warmstart import WarmStartRun, draft_vocab_from_data, sft_policy, warmup_draft
 
@@ -56,6 +57,7 @@ def build_job(cfg, metrics: MetricsLogger, dims=None) -> Job:
     if cfg.draft.init_path:  # a published EAGLE-3 draft, its vocabulary maps included
         load_draft(draft, cfg.draft.init_path, layers, n_layers=args.n_layers)
     task = build_task(cfg, args.vocab_size)
+    apply_activation_checkpointing(policy, cfg)
     if dims is not None:
         parallelize_policy(policy, dims, cfg)
         parallelize_draft(draft, dims, cfg)
@@ -67,7 +69,8 @@ def warm_start(job: Job, draft_opt: DraftOptimizer, checkpoint: JobCheckpoint | 
     """SFT, then the draft's vocabulary and warm-up, each skipped when `resume_phase` has it; saved at their ends."""
     cfg, metrics = job.cfg, job.metrics
     if resume_phase < SFT_DONE:
-        sft_policy(job.policy, job.task, cfg.rl, WarmStartRun(job.generators["data"], job.device, metrics, job.amp))
+        sft_policy(job.policy, job.task, cfg.rl, cfg.lr_scheduler,
+                   WarmStartRun(job.generators["data"], job.device, metrics, job.amp))
         if checkpoint is not None:
             checkpoint.save(SFT_DONE)
     if resume_phase < WARMUP_DONE:

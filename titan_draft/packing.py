@@ -9,7 +9,9 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from titan_draft import _compat
 from titan_draft.ops import branch_attention
 from titan_draft.ops.attention_kernels import span_rows
 
@@ -112,3 +114,43 @@ def pack_documents(documents: list[torch.Tensor], prompt_lengths: torch.Tensor) 
     lengths = torch.tensor([len(doc) for doc in documents])
     mask = trained_rows(torch.as_tensor(prompt_lengths), lengths, int(lengths.max()))
     return pack(list(documents), [m[:n] for m, n in zip(mask, lengths.tolist())])
+
+
+def document_lengths(batch: PackedBatch) -> list[int]:
+    """The lengths of a batch's documents (their real lengths when it is a context-parallel shard)."""
+    return getattr(batch, "doc_lengths", batch.cu_seqlens.diff()).tolist()
+
+
+def microbatch_ranges(lengths: list[int], max_tokens: int, group=None) -> list[range]:
+    """Consecutive documents in groups of at most max_tokens tokens (0: one group).
+
+    Greedy, in order. Every rank of `group` (data-parallel ranks with other documents: FSDP's
+    collectives need each to run as many forwards and backwards) gets the largest count any of them
+    needs: the group of most documents is halved until there are that many. A document longer than
+    max_tokens is a group of its own."""
+    groups = _greedy_groups(lengths, max_tokens)
+    count = len(groups)
+    if group is not None and dist.get_world_size(group) > 1:
+        most = torch.tensor(count, device=_compat.device())
+        dist.all_reduce(most, dist.ReduceOp.MAX, group=group)
+        count = int(most)
+    if count > len(lengths):
+        raise ValueError(f"{count} micro-batches asked of {len(lengths)} documents: give every rank as many "
+                         "documents")
+    while len(groups) < count:
+        widest = max(range(len(groups)), key=lambda g: len(groups[g]))
+        g = groups[widest]
+        middle = g.start + len(g) // 2
+        groups[widest:widest + 1] = [range(g.start, middle), range(middle, g.stop)]
+    return groups
+
+
+def _greedy_groups(lengths: list[int], max_tokens: int) -> list[range]:
+    groups, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and max_tokens and tokens + n > max_tokens:
+            groups.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    groups.append(range(start, len(lengths)))
+    return groups

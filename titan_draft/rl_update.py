@@ -3,23 +3,35 @@
 Its pipelined twin is parallel/pipeline_rl.PipelinedPolicy; both are "policy holders" with the
 same surface, which is all train.train_step uses:
   parts / reference_parts   the model parts (here: one) of the policy and of the start-of-RL reference
+                            (no reference parts when nothing reads log p_ref: rl.kl_coef = 0, no metric)
   optimizer                 torchtitan's OptimizersContainer over `parts`
-  forward_backward(batch)   one forward and backward of the GRPO loss and the draft's TTT loss -> StepSums
+  forward_backward(batch)   forwards and backwards of the GRPO loss and the draft's TTT loss -> StepSums
   rollout_weights(draft)    (policy, draft) to refresh the rollout engine from
   checkpoint_states()       what the job's checkpoint tracks in RL
   holds_draft               whether the draft trains on this rank
   draft_timer               the device time of the draft's part of the step (train_step's draft_time_s)
+
+Memory: the step runs in micro-batches of whole documents (rl.max_tokens_per_microbatch) whose
+gradients accumulate; the LM head reduces each micro-batch to per-row log-probs (in chunks with
+rl.logprob_chunk_size); the draft's rows (embeddings, taps, teacher) are kept detached and the draft
+then runs its own micro-batches. Every loss is divided by the whole step's count (all micro-batches,
+all ranks), so the sum over micro-batches is the one-batch loss.
 """
+import contextlib
 import copy
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from titan_draft.cotrain import draft_loss
-from titan_draft.grpo import grpo_objective, next_token_logprobs
-from titan_draft.models.policy import TapRecorder, forward_packed, job_model_args, policy_from_args
+from titan_draft.cotrain import DraftFeatures, draft_backward, valid_pairs
+from titan_draft.grpo import grpo_objective
+from titan_draft.models.draft import Teacher
+from titan_draft.models.policy import HeadRequest, TapRecorder, job_model_args, policy_from_args, token_outputs
+from titan_draft.packing import microbatch_ranges
 from titan_draft.parallel.context_parallel import apply_context_parallel, shard_batch_for_cp
-from titan_draft.parallel.parallelize import cp_mesh, loss_group, loss_scale, parallelize_policy, sum_over_dp
+from titan_draft.parallel.parallelize import (batch_group, compute_dtype, cp_mesh, loss_scale, parallelize_policy,
+                                              sum_over_dp)
 from titan_draft.step import RolloutBatch, StepSums
 from titan_draft.timing import DeviceTimer
 from torchtitan.components.checkpoint import ModelWrapper
@@ -31,6 +43,24 @@ def policy_optimizer(parts: list[nn.Module], rl_cfg) -> OptimizersContainer:
     return OptimizersContainer(parts, torch.optim.AdamW, {"lr": rl_cfg.lr, "weight_decay": 0.0})
 
 
+def needs_reference(rl_cfg) -> bool:
+    """Whether the step reads log p_ref: the KL penalty, or the kl_to_start metric asked for."""
+    return rl_cfg.kl_coef > 0 or rl_cfg.kl_to_start_metric
+
+
+def reference_policy(policy: nn.Module, job) -> nn.Module:
+    """A frozen copy of the policy in the compute dtype (bf16 on GPU: it only runs forwards), laid out
+    as the policy (FSDP modules cannot be deep-copied: the same layout, then the sharded state)."""
+    cfg, dims = job.cfg, job.dims
+    dtype = compute_dtype(cfg.training.mixed_precision_param, job.device)
+    if dims is None:
+        reference = copy.deepcopy(policy).to(dtype)
+    else:
+        reference = parallelize_policy(policy_from_args(job_model_args(cfg)).to(dtype), dims, cfg)
+        set_model_state_dict(reference, get_model_state_dict(policy))
+    return reference.requires_grad_(False)
+
+
 class WholePolicy:
     """The policy (and its reference) whole on this rank, parallelized in place by FSDP / TP / CP."""
 
@@ -40,54 +70,90 @@ class WholePolicy:
         """job: titan_draft.job.Job, its policy warm-started (it becomes parts[0], updated in place)."""
         cfg, policy, dims = job.cfg, job.policy, job.dims
         self.cfg, self.draft, self.spec, self.dims, self.amp = cfg, job.draft, job.spec, dims, job.amp
-        if dims is None:
-            reference = copy.deepcopy(policy)
-        else:  # FSDP modules cannot be deep-copied: the same layout, then the (sharded) state
-            reference = parallelize_policy(policy_from_args(job_model_args(cfg)), dims, cfg)
-            reference.load_state_dict(policy.state_dict())
+        self.parts = [policy]
+        self.reference_parts = [reference_policy(policy, job)] if needs_reference(cfg.rl) else []
         self.cp_mesh = cp_mesh(dims)
         if self.cp_mesh is not None:
-            for model in (policy, reference):
+            for model in self.parts + self.reference_parts:
                 apply_context_parallel(model, self.cp_mesh, cfg.draft.cp_mode)
-        self.parts, self.reference_parts = [policy], [reference.requires_grad_(False)]
         self.optimizer = policy_optimizer(self.parts, cfg.rl)
         self.draft_timer = DeviceTimer(job.device)  # the draft's forward, backward (and train_step's draft step)
 
     def forward_backward(self, rollouts: RolloutBatch) -> StepSums:
-        """One policy forward (GRPO loss; taps and logits for the draft), the reference's forward, the
-        draft's TTT loss; both backwards. Nothing of the draft's reaches the policy: its inputs are detached."""
-        mode, device = self.cfg.draft.mode, self.draft.fc.weight.device
-        (policy,), (reference,) = self.parts, self.reference_parts
-        batch = rollouts.packed().to(device)
-        if self.cp_mesh is not None:  # this rank's zigzag rows of every document
-            batch = shard_batch_for_cp(batch, self.cp_mesh, self.cfg.draft.cp_mode)
-        row_advantages = rollouts.advantages.to(device).repeat_interleave(batch.cu_seqlens.diff().long())
-        next_tokens = batch.shift(1)(batch.tokens, 1)  # across shard edges under CP
-
-        with self.amp, TapRecorder(policy, self.spec.tap_layers) as taps:
-            logits = forward_packed(policy, batch)
-        with self.amp, torch.no_grad():
-            ref_logprobs = next_token_logprobs(forward_packed(reference, batch), next_tokens)
-        # Losses are normalised by counts over all ranks holding rows (FSDP averages: hence the scale).
-        num_tokens = sum_over_dp(batch.loss_mask.sum().float(), self.dims, "loss")
-        loss, sums = grpo_objective(logits, next_tokens, row_advantages, batch.loss_mask, ref_logprobs,
-                                    self.cfg.rl.clip_eps, self.cfg.rl.kl_coef, num_tokens)
-        (loss_scale(self.dims) * loss).backward()
+        """The policy's micro-batches (GRPO loss; taps and teacher kept for the draft), then the draft's
+        (its TTT loss); both backwards. Nothing of the draft's reaches the policy: its inputs are detached."""
+        rl, mode, device = self.cfg.rl, self.cfg.draft.mode, self.draft.fc.weight.device
+        whole = rollouts.packed()
+        # The step's normalisers, over every micro-batch and rank, before any forward.
+        num_tokens = sum_over_dp(whole.loss_mask.sum().float().to(device), self.dims)
+        policy_sums, drawn = torch.zeros(4, dtype=torch.float64, device=device), []
+        for documents in microbatch_ranges(rollouts.lengths.tolist(), rl.max_tokens_per_microbatch,
+                                           group=batch_group(self.dims)):
+            sums, features = self._policy_backward(rollouts.select(documents), num_tokens)
+            policy_sums += sums
+            drawn.append(features)
 
         per_pass, total = torch.zeros(0, 3, device=device), torch.zeros((), device=device)
         if mode != "none":
             with self.draft_timer():
-                with self.amp, torch.set_grad_enabled(mode == "cotrain"):
-                    total, per_pass = draft_loss(self.draft, taps.embeddings(), taps.taps(), logits, batch,
-                                                 self.spec, group=loss_group(self.dims),
-                                                 documents=rollouts.draft_documents)
-                if mode == "cotrain":
-                    (loss_scale(self.dims) * self.spec.loss_weight * total).backward()
-        policy_sums = torch.cat([sum_over_dp(sums, self.dims, "loss"), num_tokens[None]])
-        return StepSums(policy_sums.double(), per_pass, sum_over_dp(total.detach(), self.dims, "loss"))
+                pairs = sum_over_dp(valid_pairs(whole.loss_mask, whole.shift(self.spec.ttt_steps),
+                                                self.spec.ttt_steps).to(device), self.dims)
+                features = self._draft_features(rollouts, drawn)
+                total, per_pass = draft_backward(
+                    self.draft, features, self.spec, count=pairs,
+                    scale=len(rollouts.tokens) / len(rollouts.drafted()), max_tokens=rl.max_tokens_per_microbatch,
+                    group=batch_group(self.dims), train=mode == "cotrain", grad_scale=loss_scale(self.dims))
+            per_pass = sum_over_dp(per_pass, self.dims, "loss")
+        policy_sums = torch.cat([sum_over_dp(policy_sums, self.dims, "loss"), num_tokens[None].double()])
+        return StepSums(policy_sums, per_pass, sum_over_dp(total, self.dims, "loss"),
+                        has_reference=bool(self.reference_parts))
+
+    def _shard(self, batch):
+        """This rank's rows of a packed batch (its zigzag share under context parallelism)."""
+        return batch if self.cp_mesh is None else shard_batch_for_cp(batch, self.cp_mesh, self.cfg.draft.cp_mode)
+
+    def _policy_backward(self, micro: RolloutBatch, num_tokens: torch.Tensor):
+        """One micro-batch's policy forward and backward: (its detached GRPO sums [4], the draft's pieces
+        of it: embeddings, taps and teacher of the rows of its drawn documents, or None)."""
+        (policy,) = self.parts
+        device, chunk = self.draft.fc.weight.device, self.cfg.rl.logprob_chunk_size
+        batch = self._shard(micro.packed().to(device))
+        rows = batch.loss_mask.nonzero().flatten()  # the response rows: the only ones the losses read
+        targets = batch.shift(1)(batch.tokens, 1)[rows]  # across shard edges under CP
+        advantages = micro.advantages.to(device).repeat_interleave(batch.cu_seqlens.diff().long())[rows]
+        drafting = self.cfg.draft.mode != "none" and len(micro.drafted()) > 0
+        request = HeadRequest(rows, targets, chunk)
+        if drafting:  # the teacher at the response rows of the drawn documents
+            _, draft_rows = batch.documents(micro.drafted().to(device))
+            in_draft = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
+            in_draft[draft_rows] = True
+            request.teacher_ids, request.teacher_rows = self.draft.target_ids(), in_draft[rows].nonzero().flatten()
+        with self.amp, TapRecorder(policy, self.spec.tap_layers) if drafting else contextlib.nullcontext() as taps:
+            out = token_outputs(policy, batch, request)
+        ref_logprobs = None
+        if self.reference_parts:
+            with self.amp, torch.no_grad():
+                ref_logprobs = token_outputs(self.reference_parts[0], batch, HeadRequest(rows, targets, chunk)).logprobs
+        loss, sums = grpo_objective(out, advantages, ref_logprobs, self.cfg.rl.clip_eps, self.cfg.rl.kl_coef,
+                                    num_tokens)
+        (loss_scale(self.dims) * loss).backward()
+        if not drafting:
+            return sums, None
+        teacher = Teacher.at(batch.loss_mask[draft_rows], out.teacher_logits, out.teacher_argmax)
+        return sums, (taps.embeddings()[draft_rows], taps.taps()[draft_rows], teacher)
+
+    def _draft_features(self, rollouts: RolloutBatch, pieces: list) -> DraftFeatures:
+        """The drawn documents as one batch (this rank's shard under CP: zigzag rows are per document, so
+        the micro-batches' pieces, in order, are its rows) and their pieces joined."""
+        batch = self._shard(rollouts.select(rollouts.drafted()).packed().to(self.draft.fc.weight.device))
+        emb, taps, teachers = zip(*(piece for piece in pieces if piece is not None))
+        return DraftFeatures(batch, torch.cat(emb), torch.cat(taps), Teacher.cat(teachers))
 
     def rollout_weights(self, with_draft: bool):
         return self.parts[0], self.draft if with_draft else None
 
     def checkpoint_states(self) -> dict:
-        return {"policy_optimizer": self.optimizer, "start_policy": ModelWrapper(self.reference_parts)}
+        states = {"policy_optimizer": self.optimizer}
+        if self.reference_parts:
+            states["start_policy"] = ModelWrapper(self.reference_parts)
+        return states

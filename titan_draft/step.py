@@ -28,6 +28,20 @@ class RolloutBatch:
     def lengths(self) -> torch.Tensor:
         return self.prompt_lengths + self.response_lengths
 
+    def select(self, documents: range | torch.Tensor) -> "RolloutBatch":
+        """Documents `documents` (a range, or ascending indices) as a batch of their own; the draft's
+        documents among them renumbered."""
+        index = torch.as_tensor(documents) if isinstance(documents, range) else documents
+        drawn = None
+        if self.draft_documents is not None:
+            drawn = torch.isin(index, self.draft_documents).nonzero().flatten()
+        return RolloutBatch(self.tokens[index], self.prompt_lengths[index], self.response_lengths[index],
+                            self.advantages[index], draft_documents=drawn)
+
+    def drafted(self) -> torch.Tensor:
+        """The indices of the documents the draft trains on (all when draft_documents is None)."""
+        return torch.arange(len(self.tokens)) if self.draft_documents is None else self.draft_documents
+
     def packed(self) -> PackedBatch:
         """The documents packed, trained on their response rows (packing.trained_rows)."""
         return pack_documents([row[:n] for row, n in zip(self.tokens, self.lengths.tolist())], self.prompt_lengths)
@@ -48,10 +62,14 @@ class StepSums:
     policy: torch.Tensor  # float64 [5]: GRPO loss, entropy, log p - log p_ref, clipped rows, response rows
     draft: torch.Tensor  # [D, 3]: per pass (agreeing argmax, valid pairs, cross-entropy); D = 0: no draft
     draft_loss: torch.Tensor  # the draft's loss (summed over the ranks that hold rows): skip its update if not finite
+    has_reference: bool = True  # whether log p_ref was computed (else kl_to_start is not reported)
 
     def policy_metrics(self) -> dict[str, float]:
         loss, entropy, kl, clipped, rows = self.policy.tolist()
-        return {"policy_loss": loss, "entropy": entropy / rows, "kl_to_start": kl / rows, "clip_frac": clipped / rows}
+        metrics = {"policy_loss": loss, "entropy": entropy / rows, "clip_frac": clipped / rows}
+        if self.has_reference:
+            metrics["kl_to_start"] = kl / rows
+        return metrics
 
     def draft_metrics(self) -> dict[str, float]:
         """draft_loss and draft_acc_pass{d} (none without a draft)."""

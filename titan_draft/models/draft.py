@@ -185,11 +185,42 @@ class EagleDraft(nn.Module):
         return states
 
 
-def ttt_loss(draft: EagleDraft, states: list[torch.Tensor], teacher_logits: torch.Tensor,
-             loss_mask: torch.Tensor, shift: ShiftFn, pass_decay: float):
+@dataclass
+class Teacher:
+    """What the draft learns from the policy, per packed row (detached): the policy's logits at the draft
+    vocabulary's target ids [T, Vd] (ttt_loss softmaxes them: the draft's target renormalised over its
+    vocabulary) and the argmax over the policy's WHOLE vocabulary [T] (the agreement metric)."""
+
+    logits: torch.Tensor
+    argmax: torch.Tensor
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, target_ids: torch.Tensor) -> "Teacher":
+        """From full policy logits [T, V]."""
+        logits = logits.detach()
+        return cls(logits[:, target_ids], logits.argmax(-1))
+
+    @classmethod
+    def at(cls, trained: torch.Tensor, logits: torch.Tensor, argmax: torch.Tensor) -> "Teacher":
+        """A teacher of len(trained) rows from the values of the rows where `trained` is set, in order
+        (zeros elsewhere: ttt_loss reads a teacher row only where the loss mask is set)."""
+        teacher = cls(logits.new_zeros(len(trained), logits.shape[1]), argmax.new_zeros(len(trained)))
+        teacher.logits[trained], teacher.argmax[trained] = logits, argmax
+        return teacher
+
+    def rows(self, index: torch.Tensor) -> "Teacher":
+        return Teacher(self.logits[index], self.argmax[index])
+
+    @classmethod
+    def cat(cls, teachers: list["Teacher"]) -> "Teacher":
+        return cls(torch.cat([t.logits for t in teachers]), torch.cat([t.argmax for t in teachers]))
+
+
+def ttt_loss(draft: EagleDraft, states: list[torch.Tensor], teacher: Teacher, loss_mask: torch.Tensor,
+             shift: ShiftFn, pass_decay: float):
     """Soft cross-entropy of every pass against the policy, restricted to the draft vocabulary.
 
-    teacher_logits [T, V_target] (detached); loss_mask [T] marks rows whose next token is trained.
+    teacher: the policy's rows (Teacher); loss_mask [T] marks rows whose next token is trained.
     Pass d at anchor i is trained on teacher row i + d when that row is in the same document and
     masked in. Returns (weighted loss SUM, number of valid (anchor, pass) pairs, per-pass stats)
     so that callers normalise by the count over all ranks and micro-batches.
@@ -197,19 +228,18 @@ def ttt_loss(draft: EagleDraft, states: list[torch.Tensor], teacher_logits: torc
     target_ids = draft.target_ids()
     # float32 arithmetic for bf16/fp16 drafts, but never below the draft's own precision (float64 tests).
     dtype = torch.promote_types(states[0].dtype, torch.float32) if states else torch.float32
-    total = teacher_logits.new_zeros((), dtype=dtype)
-    count = teacher_logits.new_zeros((), dtype=torch.float32)
+    total = teacher.logits.new_zeros((), dtype=dtype)
+    count = teacher.logits.new_zeros((), dtype=torch.float32)
     stats = []
     for d, hidden in enumerate(states, start=1):
         valid = shift(loss_mask.to(torch.float32), d) > 0
-        teacher = shift(teacher_logits, d)
         logits = draft.logits(hidden).to(dtype)
-        target = F.softmax(teacher[:, target_ids].to(dtype), dim=-1)
+        target = F.softmax(shift(teacher.logits, d).to(dtype), dim=-1)
         ce, best = soft_cross_entropy(logits, target, draft.vocab_parallel_group)
         n = valid.sum()
         total = total + pass_decay ** (d - 1) * (ce * valid).sum()
         count = count + n
-        agree = (target_ids[best] == teacher.argmax(-1)) & valid
+        agree = (target_ids[best] == shift(teacher.argmax, d)) & valid
         stats.append((agree.sum().detach(), n.detach(), (ce * valid).sum().detach()))
     return total, count, stats
 

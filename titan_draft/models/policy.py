@@ -1,12 +1,16 @@
 """The policy: a torchtitan llama3 / qwen3 model that runs packed documents and exposes its taps.
 
-Two small changes to a plain torchtitan model, both reversible and both invisible to FSDP/TP/PP:
+Three small changes to a plain torchtitan model, all invisible to FSDP/TP/PP:
 - every attention's inner op becomes `PackedAttention` (causal within each document, through
   titan_draft.ops.branch_attention with no branch; context parallelism swaps in its ring op);
+- the LM head (`output`) becomes a `PolicyHead`: plain logits, or, when a `HeadRequest` is set, the
+  log-probs / entropy / draft teacher of chosen rows computed chunk by chunk (ops/linear_logprobs.py),
+  inside the head's own forward so that FSDP gathers its weight as for any forward;
 - `TapRecorder` hooks record the token embeddings and the outputs of the tap layers, detached.
 """
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -16,6 +20,7 @@ from torchtitan.models.attention import VarlenMetadata
 
 from titan_draft.errors import ConfigError
 from titan_draft.models.families import family, family_of_args, hf_model_args
+from titan_draft.ops.linear_logprobs import TokenOutputs, linear_token_outputs, logits_token_outputs
 from titan_draft.packing import PackedBatch
 
 # Small flavors for laptops and CI; torchtitan's own flavors ("debugmodel", "8B", ...) work too.
@@ -75,6 +80,8 @@ def policy_from_args(args, seed: int | None = None, device=None) -> nn.Module:
     with torch.no_grad():
         model.init_weights()
     install_packed_attention(model)
+    if type(model.output) is nn.Linear:
+        model.output.__class__ = PolicyHead  # same parameters and FQNs: a view of the same module
     return model
 
 
@@ -122,6 +129,52 @@ def forward_packed(model: nn.Module, batch: PackedBatch) -> torch.Tensor:
     """Logits [T, V] (or the last hidden state on a non-final pipeline stage)."""
     out = model(batch.tokens[None], attention_masks=varlen_metadata(batch), positions=batch.positions[None])
     return out[0]
+
+
+@dataclass
+class HeadRequest:
+    """What the LM head computes instead of logits: rows (int64 [R] into the packed rows), their targets
+    [R], rows per chunk (0: all at once), and the draft teacher (its vocabulary's target ids, and which of
+    the R rows want it; None: no teacher)."""
+
+    rows: torch.Tensor
+    targets: torch.Tensor
+    chunk_size: int = 0
+    teacher_ids: torch.Tensor | None = None
+    teacher_rows: torch.Tensor | None = None
+
+
+class PolicyHead(nn.Linear):
+    """torchtitan's `output` linear; with `request` set, its forward returns the rows' TokenOutputs fields
+    (a tuple, so that FSDP finds the tensors to hook for backward) instead of logits."""
+
+    request: HeadRequest | None = None
+
+    def forward(self, h: torch.Tensor):
+        r = self.request
+        if r is None:
+            return super().forward(h)
+        out = linear_token_outputs(h.flatten(0, -2)[r.rows], self.weight, r.targets, chunk_size=r.chunk_size,
+                                   teacher_ids=r.teacher_ids, teacher_rows=r.teacher_rows)
+        return out.logprobs, out.entropy, out.teacher_logits, out.teacher_argmax
+
+
+def token_outputs(model: nn.Module, batch: PackedBatch, request: HeadRequest) -> TokenOutputs:
+    """One forward of the policy over a packed batch, reduced by its head to what `request` asks.
+
+    chunk_size > 0: inside the head (PolicyHead), never holding [rows, V] logits. 0: the full logits, then
+    the same reduction (logits_token_outputs): the path for heads split by tensor parallelism."""
+    if request.chunk_size == 0:
+        logits = forward_packed(model, batch)
+        return logits_token_outputs(logits[request.rows], request.targets, teacher_ids=request.teacher_ids,
+                                    teacher_rows=request.teacher_rows)
+    head = model.output
+    head.request = request
+    try:
+        fields = model(batch.tokens[None], attention_masks=varlen_metadata(batch), positions=batch.positions[None])
+    finally:
+        head.request = None
+    return TokenOutputs(*fields)
 
 
 class TapRecorder:

@@ -92,7 +92,13 @@ def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _dense_token_outputs(hidden, weight, targets, teacher_ids, teacher_rows) -> TokenOutputs:
     """The reference: full logits [R, V], float32 log-softmax, plain autograd. O(R * V) memory."""
-    logits = hidden @ weight.T
+    return logits_token_outputs(hidden @ weight.T, targets, teacher_ids=teacher_ids, teacher_rows=teacher_rows)
+
+
+def logits_token_outputs(logits: torch.Tensor, targets: torch.Tensor, *, teacher_ids: torch.Tensor | None = None,
+                         teacher_rows: torch.Tensor | None = None) -> TokenOutputs:
+    """linear_token_outputs of logits [R, V] already computed (a head split by tensor parallelism, a
+    pipeline's last stage): the same reduction, differentiable through the logits."""
     logp = F.log_softmax(logits.to(_statistics_dtype(logits.dtype)), dim=-1)
     logprobs = logp.gather(1, targets[:, None]).squeeze(1)
     with torch.no_grad():  # metrics and targets: no graph kept for them

@@ -96,6 +96,12 @@ def dp_rank_and_degree(dims: ParallelDims | None) -> tuple[int, int]:
     return (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
 
 
+def batch_group(dims: ParallelDims | None):
+    """The process group of the data-parallel ranks (dp_replicate x dp_shard: different rollouts), or None."""
+    mesh = dims.get_optional_mesh("batch") if dims is not None else None
+    return None if mesh is None else mesh.get_group()
+
+
 def loss_group(dims: ParallelDims | None):
     """The process group of all ranks holding different rows (dp x cp), or None."""
     mesh = dims.get_optional_mesh("loss") if dims is not None else None
@@ -142,6 +148,19 @@ def _average_over_dp(model: nn.Module, dims: ParallelDims) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(loss_scale(dims))
+
+
+def apply_activation_checkpointing(policy: nn.Module, cfg) -> nn.Module:
+    """torchtitan's [activation_checkpoint] mode (none | selective | full) on the policy's layers, in
+    place, as torchtitan's llama3 / qwen3 parallelize applies it: before FSDP, with its list of ops
+    that selective op-level checkpointing keeps."""
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
+
+    if cfg.activation_checkpoint.mode != "none":
+        apply_ac(policy, cfg.activation_checkpoint, op_sac_save_list=_op_sac_save_list,
+                 base_folder=cfg.job.dump_folder)
+    return policy
 
 
 def parallelize_policy(policy: nn.Module, dims: ParallelDims, cfg) -> nn.Module:

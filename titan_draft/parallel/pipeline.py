@@ -37,9 +37,10 @@ from torchtitan.models.attention import VarlenMetadata
 
 from titan_draft.grpo import grpo_objective, next_token_logprobs
 from titan_draft.cotrain import CoTrainSpec
-from titan_draft.models.draft import EagleDraft, ttt_loss
+from titan_draft.models.draft import EagleDraft, Teacher, ttt_loss
 from titan_draft.models.policy import TapRecorder
 from titan_draft.ops import branch_attention
+from titan_draft.ops.linear_logprobs import logits_token_outputs
 from titan_draft.parallel.cp_attention import CpGroup, cp_branch_attention
 from titan_draft.packing import DocumentShift
 from titan_draft.parallel.halo import HaloShift
@@ -161,10 +162,11 @@ def grpo_target(next_tokens, response_mask, advantages, ref_logprobs) -> torch.T
 
 class GRPOLoss:
     """Policy loss of the RL step on a grpo_target: titan_draft.grpo.grpo_objective (on-policy clipped
-    surrogate + optional KL to the reference), normalised by the step's global count of response rows."""
+    surrogate + optional KL to the reference), normalised by the step's global count of response rows.
+    has_reference=False: the target's REF_LOGPROB column is unused (no KL term, no KL sum)."""
 
-    def __init__(self, clip_eps: float, kl_coef: float):
-        self.clip_eps, self.kl_coef = clip_eps, kl_coef
+    def __init__(self, clip_eps: float, kl_coef: float, has_reference: bool = True):
+        self.clip_eps, self.kl_coef, self.has_reference = clip_eps, kl_coef, has_reference
 
     def trained(self, target: torch.Tensor) -> torch.Tensor:
         return target[..., RESPONSE] > 0
@@ -172,8 +174,11 @@ class GRPOLoss:
     def __call__(self, logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor):
         """(loss, detached sums [loss, entropy, log p - log p_ref, clipped rows])."""
         rows = target.flatten(0, 1)
-        return grpo_objective(logits.flatten(0, 1), rows[:, NEXT_TOKEN].long(), rows[:, ADVANTAGE],
-                              rows[:, RESPONSE] > 0, rows[:, REF_LOGPROB], self.clip_eps, self.kl_coef, count)
+        response = rows[:, RESPONSE] > 0
+        rows = rows[response]
+        outputs = logits_token_outputs(logits.flatten(0, 1)[response], rows[:, NEXT_TOKEN].long())
+        ref_logprobs = rows[:, REF_LOGPROB] if self.has_reference else None
+        return grpo_objective(outputs, rows[:, ADVANTAGE], ref_logprobs, self.clip_eps, self.kl_coef, count)
 
 
 class NextTokenLogprobs:
@@ -258,8 +263,8 @@ class CoTrainLoss:
         emb, taps = features[:, :dim], features[:, dim:]
         states = self.draft.ttt_forward(emb, taps, layout.positions.flatten(), self.spec.ttt_steps, layout.shift,
                                         layout.attention)
-        total, _, stats = ttt_loss(self.draft, states, logits.flatten(0, 1), trained.flatten(), layout.shift,
-                                   self.spec.pass_decay)
+        teacher = Teacher.from_logits(logits.flatten(0, 1), self.draft.target_ids())
+        total, _, stats = ttt_loss(self.draft, states, teacher, trained.flatten(), layout.shift, self.spec.pass_decay)
         draft = total / self.draft_count
         self.draft_sum += draft.detach()
         self.draft_stats = self.draft_stats + torch.stack([torch.stack(s) for s in stats]).float()

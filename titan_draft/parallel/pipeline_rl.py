@@ -6,8 +6,9 @@ the pipelined twin of rl_update.WholePolicy (the same surface; train.train_step 
   pipeline_module_split; FQNs unchanged), and each part is parallelized like the whole policy
   (FSDP2 over dp_shard x cp, per part, the torchtitan way; CP attention installed once). The draft
   stays whole on the last stage.
-- The reference policy (KL metric and penalty) is split the same way and runs forward-only through
-  its own schedule (schedule.eval): each rank holds only its stages of it.
+- The reference policy (KL penalty, or the kl_to_start metric when asked for) is split the same way,
+  in the compute dtype, and runs forward-only through its own schedule (schedule.eval): each rank
+  holds only its stages of it.
 - forward_backward: reference log-probs, then the co-training schedule with the GRPO loss
   (pipeline.GRPOLoss, the same grpo_objective as WholePolicy) plus the draft's TTT loss on the last
   stage. Its sums are shared over the loss group and then the pp group, so every rank returns the
@@ -26,7 +27,8 @@ from titan_draft import _compat
 from titan_draft.io import full_state_dict
 from titan_draft.models.policy import job_model_args, policy_from_args
 from titan_draft.parallel.context_parallel import apply_context_parallel
-from titan_draft.parallel.parallelize import cp_mesh, loss_group, loss_scale, parallelize_policy
+from titan_draft.parallel.parallelize import (apply_activation_checkpointing, compute_dtype, cp_mesh, loss_group,
+                                              loss_scale, parallelize_policy)
 from titan_draft.parallel.pipeline import (
     GRPOLoss,
     NextTokenLogprobs,
@@ -37,7 +39,7 @@ from titan_draft.parallel.pipeline import (
     last_stage_pp_rank,
     split_policy,
 )
-from titan_draft.rl_update import policy_optimizer
+from titan_draft.rl_update import needs_reference, policy_optimizer
 from titan_draft.step import RolloutBatch, StepSums
 from titan_draft.timing import DeviceTimer
 from torchtitan.components.checkpoint import ModelWrapper
@@ -95,15 +97,20 @@ class PipelinedPolicy:
         weights = full_state_dict(job.policy, every_rank=True)
         # The structure only (meta), which split_policy copies into stage parts.
         self.skeleton = policy_from_args(job_model_args(cfg), device="meta")
-        self.parts = self._split(weights)
-        self.reference_parts = [part.requires_grad_(False) for part in self._split(weights)]
+        self.parts = self._split(weights, checkpointed=True)
+        self.reference_parts = [] if not needs_reference(cfg.rl) else \
+            [part.requires_grad_(False) for part in self._split(weights, compute_dtype(
+                cfg.training.mixed_precision_param, _compat.device()))]
         self.optimizer = policy_optimizer(self.parts, cfg.rl)
         # The draft's forward and backward run inside the schedule, between the policy's: this times
         # only train_step's draft optimizer step.
         self.draft_timer = DeviceTimer(_compat.device())
         self.width = self.train = self.reference = None
 
-    def _split(self, weights: dict[str, torch.Tensor]) -> list[nn.Module]:
+    def _split(self, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32, *,
+               checkpointed: bool = False) -> list[nn.Module]:
+        """This rank's stage parts of the policy `weights`, in `dtype`, parallelized as the whole policy
+        (activation checkpointing for trained parts)."""
         parts = split_policy(self.skeleton, self.pp_mesh, self.schedule)
         device = _compat.device()
         for part in parts:
@@ -111,6 +118,9 @@ class PipelinedPolicy:
             with torch.no_grad():
                 part.init_weights(buffer_device=device)  # the non-persistent RoPE table
             part.load_state_dict({name: weights[name] for name in part.state_dict()})
+            part.to(dtype)
+            if checkpointed:
+                apply_activation_checkpointing(part, self.cfg)
             parallelize_policy(part, self.dims, self.cfg)
             if cp_mesh(self.dims) is not None:
                 apply_context_parallel(part, cp_mesh(self.dims), self.cfg.draft.cp_mode)
@@ -126,14 +136,15 @@ class PipelinedPolicy:
                                   n_microbatches=rows // microbatch, microbatch_size=microbatch, seq_len=width,
                                   dp_group=None if batch is None else batch.get_group(), cp_mesh=cp_mesh(self.dims),
                                   cp_mode=d.cp_mode, dtype=activation_dtype(cfg, self.dims))
-            policy_loss = GRPOLoss(cfg.rl.clip_eps, cfg.rl.kl_coef)
+            policy_loss = GRPOLoss(cfg.rl.clip_eps, cfg.rl.kl_coef, has_reference=bool(self.reference_parts))
             if d.mode == "none":
                 self.train = build_policy_pipeline(self.parts, setup, policy_loss=policy_loss,
                                                    grad_scale=loss_scale(self.dims))
             else:
                 self.train = build_pipeline_cotrain(self.parts, self.draft, self.spec, setup, policy_loss=policy_loss,
                                                     grad_scale=loss_scale(self.dims), train_draft=d.mode == "cotrain")
-            self.reference = build_policy_pipeline(self.reference_parts, setup, loss=NextTokenLogprobs())
+            if self.reference_parts:
+                self.reference = build_policy_pipeline(self.reference_parts, setup, loss=NextTokenLogprobs())
             self.width = width
         return self.train, self.reference
 
@@ -145,13 +156,17 @@ class PipelinedPolicy:
         tokens, next_tokens, mask = (x.to(device) for x in rollouts.rows(1 if cp is None else 2 * cp.size()))
         train, reference = self._pipelines(tokens.shape[1], tokens.shape[0])
 
-        ref_logprobs = reference.forward_logprobs(tokens, next_tokens)
-        for part in self.reference_parts:  # forward-only: no backward reshards FSDP's gathered parameters
-            for module in part.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+        ref_logprobs = None
+        if self.reference_parts:
+            ref_logprobs = reference.forward_logprobs(tokens, next_tokens)
+            for part in self.reference_parts:  # forward-only: no backward reshards FSDP's gathered parameters
+                for module in part.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
         row_advantages = rollouts.advantages.to(device)[:, None].expand_as(mask)
         local = train.layout.shard
+        if train.has_last and ref_logprobs is None:  # an unused column (GRPOLoss without reference)
+            ref_logprobs = torch.zeros_like(local(mask), dtype=torch.float32)
         target = grpo_target(local(next_tokens), local(mask), local(row_advantages), ref_logprobs) \
             if train.has_last else None
         train.begin_step(mask)
@@ -171,7 +186,8 @@ class PipelinedPolicy:
                 dist.all_reduce(numbers, group=group)
             numbers[4] = loss.policy_count.double()  # already global
         dist.all_reduce(numbers, group=self.pp_mesh.get_group())
-        return StepSums(numbers[:5], numbers[5:5 + 3 * passes].view(passes, 3), numbers[-1])
+        return StepSums(numbers[:5], numbers[5:5 + 3 * passes].view(passes, 3), numbers[-1],
+                        has_reference=bool(self.reference_parts))
 
     def rollout_weights(self, with_draft: bool):
         """(policy, draft or None) for RolloutEngine.load_weights: the whole policy gathered from every
@@ -194,5 +210,7 @@ class PipelinedPolicy:
     def checkpoint_states(self) -> dict:
         """What the job's checkpoint tracks in RL: the policy's and the reference's parts (this rank's
         FQNs) and the policy optimizer (the draft and its optimizer only on the last stage: JobCheckpoint)."""
-        return {"model": ModelWrapper(self.parts), "start_policy": ModelWrapper(self.reference_parts),
-                "policy_optimizer": self.optimizer}
+        states = {"model": ModelWrapper(self.parts), "policy_optimizer": self.optimizer}
+        if self.reference_parts:
+            states["start_policy"] = ModelWrapper(self.reference_parts)
+        return states
