@@ -3,9 +3,12 @@ train_configs/ plus overrides, and a job built and warm-started by the library's
 (titan_draft.job.build_job + warm_start), exactly as train.py starts one."""
 import os
 
+import torch
+
 from bench._common import REPO_ROOT, timed
 from titan_draft.config import parse_config, validate
 from titan_draft.cotrain import DraftOptimizer
+from titan_draft.io import atomic_directory
 from titan_draft.job import Job, build_job, warm_start
 from titan_draft.metrics import MetricsLogger
 
@@ -34,12 +37,42 @@ def job_config(config_file: str, overrides: list[str]):
     return cfg
 
 
-def warm_started_job(cfg, dump_folder: str) -> tuple[Job, DraftOptimizer, float]:
+def warm_started_job(cfg, dump_folder: str, saved: str | None = None) -> tuple[Job, DraftOptimizer, float]:
     """(job, draft optimizer, seconds of the warm start): the job's SFT and draft warm-up, logging to
     `dump_folder`. The draft always warms up ([draft] mode none would skip it): the drivers compare
-    speculation on and off from one trained state."""
+    speculation on and off from one trained state.
+
+    saved: a folder holding a warm start of this config (loaded: 0 seconds) or where this one is written
+    (a GPU's minutes of SFT, reused by later runs)."""
     cfg.draft.mode = "cotrain"
     job = build_job(cfg, MetricsLogger(dump_folder, tensorboard=False))
     draft_opt = DraftOptimizer(job.draft, cfg.draft)
+    path = saved and os.path.join(saved, WARM_START_FILE)
+    if path and os.path.isfile(path):
+        load_warm_start(path, job, draft_opt)
+        return job, draft_opt, 0.0
     seconds, _ = timed(lambda: warm_start(job, draft_opt), job.device)
+    if path:
+        with atomic_directory(saved) as folder:
+            torch.save(warm_state(job, draft_opt), os.path.join(folder, WARM_START_FILE))
     return job, draft_opt, seconds
+
+
+WARM_START_FILE = "warm_start.pt"
+
+
+def warm_state(job: Job, draft_opt: DraftOptimizer) -> dict:
+    """What the RL phase starts from: the policy, the draft (its vocabulary included), the draft's optimizer
+    and the data streams."""
+    return {"policy": job.policy.state_dict(), "draft": job.draft.state_dict(),
+            "draft_optimizer": draft_opt.optimizer.state_dict(),
+            "generators": {name: g.get_state() for name, g in job.generators.items()}}
+
+
+def load_warm_start(path: str, job: Job, draft_opt: DraftOptimizer) -> None:
+    state = torch.load(path, map_location=job.device, weights_only=True)
+    job.policy.load_state_dict(state["policy"])
+    job.draft.load_state_dict(state["draft"])
+    draft_opt.optimizer.load_state_dict(state["draft_optimizer"])
+    for name, g in job.generators.items():
+        g.set_state(state["generators"][name].cpu())

@@ -3,9 +3,12 @@ draft), frozen (the warm-started draft proposes and never trains), cotrain (the 
 trains inside every step).
 
 One job config: a preset's TOML of train_configs/ plus overrides. The job's warm start runs once
-(titan_draft.job.build_job + warm_start); then every mode steps its own copy of the trained policy,
-draft, draft optimizer and data streams, in turn (none frozen cotrain none frozen cotrain ...: drifts
-of the machine hit all modes alike). A step is titan_draft.train's collect_rollouts + train_step,
+(titan_draft.job.build_job + warm_start; --warm-start DIR saves it there, or loads it when DIR holds
+one); then every mode steps its own copy of the trained policy, draft, draft optimizer and data
+streams, in turn (none frozen cotrain none frozen cotrain ...: drifts of the machine hit all modes
+alike). The real-size presets (qwen3_*) hold one mode's training state on the device at a time: each
+mode runs all its steps from the warm start, which waits in host memory, before the next begins
+(--modes splits them over separate runs of one saved warm start). A step is titan_draft.train's collect_rollouts + train_step,
 timed end to end. The first --skip steps of each mode are left out of the time statistics
 (allocation, CUDA graph capture, the adaptive-K controller's first cost measurements); rewards are
 reported for every step. The draft's share of the RL train time is train_step's own draft_time_s
@@ -16,6 +19,8 @@ reported for every step. The draft's share of the RL train time is train_step's 
   python -m bench.rl_step --preset gpu            # one H200: 512 short rollouts per step
   python -m bench.rl_step --preset gpu_long       # one H200: long answers, 8 rollouts per step
   python -m bench.rl_step --preset gpu_tail       # one H200: arith, heavy-tailed answer lengths, 512 rollouts
+  python -m bench.rl_step --preset qwen3_1.7b_tail --warm-start outputs/warm_1.7b   # one H200: the same, Qwen3-1.7B
+  python -m bench.rl_step --preset qwen3_4b_tail --warm-start outputs/warm_4b       # one H200: Qwen3-4B, 256 rollouts
   python -m bench.rl_step --preset cpu -- --rl.prompts_per_step 64   # any job config override after --
 Prints a table and writes bench/results/rl_step_<preset>.json (--out to change). --profile also writes
 <out>.profile.txt: torch.profiler's per-op tables (device and host time) of one more step per mode.
@@ -23,6 +28,7 @@ Prints a table and writes bench/results/rl_step_<preset>.json (--out to change).
 import argparse
 import copy
 import dataclasses
+import gc
 import os
 import statistics
 import tempfile
@@ -31,6 +37,7 @@ import torch
 
 from bench._common import REPO_ROOT, alternate, environment, write_json
 from bench._job import add_job_arguments, job_config, resolve_preset, warm_started_job
+from titan_draft.timing import PhasePeak
 from titan_draft.train import RLState, collect_rollouts, spec_metrics, train_step
 
 # The test's preset: the default job's config at the sizes of tests/test_rl_step.py.
@@ -43,6 +50,8 @@ PRESETS = {
     "gpu": dict(config="train_configs/sort_gpu.toml", steps=20, skip=2),
     "gpu_long": dict(config="train_configs/sort_gpu_long.toml", steps=10, skip=2),
     "gpu_tail": dict(config="train_configs/arith_gpu_tail.toml", steps=20, skip=2),
+    "qwen3_1.7b_tail": dict(config="train_configs/qwen3_1.7b_arith_tail.toml", steps=10, skip=2, one_state=True),
+    "qwen3_4b_tail": dict(config="train_configs/qwen3_4b_arith_tail.toml", steps=10, skip=2, one_state=True),
 }
 MODES = ("none", "frozen", "cotrain")
 
@@ -56,8 +65,11 @@ def parse_args():
     p.add_argument("--profile", action="store_true", help="per-op tables of one more step per mode")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="[draft] modes to run (default all; the none / mode ratios need none)")
+    p.add_argument("--warm-start", help="folder of a saved warm start of this config: loaded if there, else "
+                   "written there after the warm start")
     args = p.parse_args()
     preset = resolve_preset(args, PRESETS)
+    args.one_state = preset.get("one_state", False)
     args.steps = preset["steps"] if args.steps is None else args.steps
     args.skip = preset["skip"] if args.skip is None else args.skip
     args.out = args.out or os.path.join(REPO_ROOT, "bench", "results", f"rl_step_{args.preset}.json")
@@ -84,16 +96,45 @@ def mode_state(job, draft_opt, mode: str) -> RLState:
                           optimizer)
 
 
+def one_mode(job, draft_opt, mode: str, rounds: int, report) -> list:
+    """`rounds` timed steps of one mode, the only training state on the device: the warm start waits in
+    host memory (moved there on first use), the mode's copy of it comes to the device, and is freed
+    after its steps."""
+    device = job.device
+    job.policy.to("cpu")
+    job.draft.to("cpu")
+    draft_opt.optimizer.load_state_dict(draft_opt.optimizer.state_dict())  # its state follows the params
+    policy, draft, optimizer = copy.deepcopy((job.policy, job.draft, draft_opt))
+    policy.to(device)
+    draft.to(device)
+    optimizer.optimizer.load_state_dict(optimizer.optimizer.state_dict())
+    cfg = copy.deepcopy(job.cfg)
+    cfg.draft.mode = mode
+    generators = {name: clone_generator(g) for name, g in job.generators.items()}
+    state = RLState.create(dataclasses.replace(job, cfg=cfg, policy=policy, draft=draft, generators=generators),
+                           optimizer)
+    steps = alternate({mode: step_of(state)}, rounds, device, report=report)[mode]
+    del state, policy, draft, optimizer
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return steps
+
+
 def step_of(state: RLState):
     """One RL step of `state` (collect_rollouts + train_step) returning what the bench reports of it."""
     def step() -> dict:
-        rollouts = collect_rollouts(state)
-        stats = train_step(state, rollouts)
+        memory = PhasePeak(state.job.device), PhasePeak(state.job.device)
+        with memory[0]:
+            rollouts = collect_rollouts(state)
+        with memory[1]:
+            stats = train_step(state, rollouts)
         m = rollouts.metrics
         record = {"rollout_s": m["rollout_time_s"], "train_s": stats["train_time_s"],
                   "draft_s": stats.get("draft_time_s", 0.0), "acceptance_length": m["acceptance_length"],
                   "generated_tokens": int(rollouts.response_lengths.sum()), "response_len_max": m["response_len_max"],
                   "rollout_tokens_per_s": m["rollout_tokens_per_s"], "reward_mean": stats["reward_mean"],
+                  "memory_peak_gib_rollout": memory[0].gib, "memory_peak_gib_train": memory[1].gib,
                   "draft_acc_pass1": stats.get("draft_acc_pass1"),
                   **{key: m[key] for key in ("rollout_weights_s", "rollout_measure_s", "rollout_prefill_s",
                                              "rollout_decode_s", "rollout_unreplayed_calls")}}
@@ -116,7 +157,10 @@ def summarise(steps: list[dict]) -> dict:
             "acceptance_length": statistics.mean(s["acceptance_length"] for s in steps),
             "rollout_tokens_per_s": median(lambda s: s["rollout_tokens_per_s"]),
             "step_tokens_per_s": median(lambda s: s["generated_tokens"] / s["step_s"]),
-            "reward_mean": statistics.mean(s["reward_mean"] for s in steps)}
+            "reward_mean": statistics.mean(s["reward_mean"] for s in steps),
+            # The highest over the timed steps (None off CUDA).
+            **{key: max(s[key] for s in steps) if steps[0][key] is not None else None
+               for key in ("memory_peak_gib_rollout", "memory_peak_gib_train")}}
 
 
 def print_tables(a, cfg, table: dict, records: dict, speedups: dict) -> None:
@@ -164,18 +208,23 @@ def profile_steps(steps: dict, device: torch.device, path: str) -> None:
 def main():
     a = parse_args()
     cfg = job_config(a.config, a.overrides)
-    job, draft_opt, warm_start_s = warm_started_job(cfg, tempfile.mkdtemp(prefix="rl_step_bench_"))
+    job, draft_opt, warm_start_s = warm_started_job(cfg, tempfile.mkdtemp(prefix="rl_step_bench_"), a.warm_start)
     print(f"warm start (SFT, draft warm-up): {warm_start_s:.1f} s ({cfg.model.flavor} policy, task "
           f"{cfg.task.name}, {job.device})", flush=True)
-    states = {mode: mode_state(job, draft_opt, mode) for mode in a.modes}
 
     def progress(i, mode, seconds, r):
+        memory = "" if r["memory_peak_gib_rollout"] is None else \
+            f" peak GiB rollout {r['memory_peak_gib_rollout']:.1f} train {r['memory_peak_gib_train']:.1f}"
         print(f"step {i + 1:>3} {mode:<8} {seconds:.3f} s (rollout {r['rollout_s']:.3f}, train {r['train_s']:.3f}, "
-              f"draft {r['draft_s']:.3f}) acceptance {r['acceptance_length']:.2f} reward {r['reward_mean']:.3f}",
-              flush=True)
+              f"draft {r['draft_s']:.3f}) acceptance {r['acceptance_length']:.2f} reward {r['reward_mean']:.3f}"
+              f"{memory}", flush=True)
 
-    timed = alternate({mode: step_of(states[mode]) for mode in a.modes}, a.skip + a.steps, job.device,
-                      report=progress)
+    rounds = a.skip + a.steps
+    if a.one_state:
+        timed = {mode: one_mode(job, draft_opt, mode, rounds, progress) for mode in a.modes}
+    else:
+        states = {mode: mode_state(job, draft_opt, mode) for mode in a.modes}
+        timed = alternate({mode: step_of(states[mode]) for mode in a.modes}, rounds, job.device, report=progress)
     records = {mode: [{"step_s": seconds, **r} for seconds, r in steps] for mode, steps in timed.items()}
     table = {mode: summarise(records[mode][a.skip:]) for mode in a.modes}
     speedups = {}
@@ -195,7 +244,7 @@ def main():
               "reward_per_step": {mode: [r["reward_mean"] for r in records[mode]] for mode in a.modes},
               "steps": records}
     write_json(a.out, report)
-    if a.profile:
+    if a.profile and not a.one_state:
         profile_steps({mode: step_of(states[mode]) for mode in a.modes}, job.device,
                       os.path.splitext(a.out)[0] + ".profile.txt")
     job.metrics.close()

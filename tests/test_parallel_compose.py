@@ -1,5 +1,6 @@
 """Composed parallelism on gloo: one co-training step (GRPO loss + draft TTT loss, their backward and
-clipping) on 4 ranks equals the same step in one process — losses and every parameter's gradient.
+clipping) on 4 ranks equals the same step in one process — losses and every parameter's gradient
+(also with micro-batches and a chunked LM head against the single process's one batch).
 Pipeline layouts (PP x FSDP2 with 1F1B and Interleaved1F1B, CP x PP, TP x PP) run the
 step through the pipeline schedule: each rank holds some stages' gradients (the draft's on the last
 stage), together they are every gradient."""
@@ -19,7 +20,8 @@ from titan_draft.parallel.pipeline import last_stage_pp_rank  # noqa: E402
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "train_configs", "sort_tiny_cpu.toml")
 TINY = ["--job.config_file", CONFIG, "--model.flavor", "tiny_gqa", "--training.seq_len", "32",
         "--training.mixed_precision_param", "float32", "--task.num_items", "4", "--draft.tap_layers", "0", "1", "3",
-        "--draft.vocab_size", "16", "--rl.prompts_per_step", "4", "--rl.group_size", "2", "--debug.seed", "3"]
+        "--draft.vocab_size", "16", "--rl.prompts_per_step", "4", "--rl.group_size", "2", "--debug.seed", "3",
+        "--rl.kl_to_start_metric"]
 
 
 def fixed_rollouts(cfg, task):
@@ -121,6 +123,10 @@ LAYOUTS = {  # 4 ranks each
     "cp_x_tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
                 "--draft.cp_mode", "allgather"],
     "hsdp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+    # micro-batches of at most one rollout's length and a head chunk that divides nothing, against the
+    # single process's one batch and full logits
+    "cp_x_fsdp2_microbatched": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree",
+                                "2", "--rl.max_tokens_per_microbatch", "32", "--rl.logprob_chunk_size", "5"],
 }
 
 

@@ -53,7 +53,7 @@ def test_policy_update_is_the_same_in_every_draft_mode(tmp_path):
     policy, draft, task = job.policy, job.draft, job.task
     # A partly trained policy, so that some groups hold both rewards and the GRPO update is not zero.
     cfg.rl.sft_steps = 30
-    sft_policy(policy, task, cfg.rl, WarmStartRun(job.generators["data"], job.device, metrics))
+    sft_policy(policy, task, cfg.rl, cfg.lr_scheduler, WarmStartRun(job.generators["data"], job.device, metrics))
     draft_vocab_from_data(task, draft, job.generators["data"])
     state = RLState.create(job, DraftOptimizer(draft, cfg.draft))
     rollouts = collect_rollouts(state)  # speculative (cotrain's engine); the same rollouts feed every mode

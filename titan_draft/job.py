@@ -64,13 +64,20 @@ def build_job(cfg, metrics: MetricsLogger, dims=None) -> Job:
     return Job(cfg, task, policy, draft, CoTrainSpec.from_config(cfg.draft, layers), device, generators, metrics, dims)
 
 
+def warm_start_run(job: Job, stream: str) -> WarmStartRun:
+    """A warm start's settings: the data stream job.generators[stream], the job's device, metrics and
+    precision, and the RL step's memory settings."""
+    rl = job.cfg.rl
+    return WarmStartRun(job.generators[stream], job.device, job.metrics, job.amp, chunk_size=rl.logprob_chunk_size,
+                        max_tokens=rl.max_tokens_per_microbatch)
+
+
 def warm_start(job: Job, draft_opt: DraftOptimizer, checkpoint: JobCheckpoint | None = None,
                resume_phase: int = NOT_STARTED) -> None:
     """SFT, then the draft's vocabulary and warm-up, each skipped when `resume_phase` has it; saved at their ends."""
     cfg, metrics = job.cfg, job.metrics
     if resume_phase < SFT_DONE:
-        sft_policy(job.policy, job.task, cfg.rl, cfg.lr_scheduler,
-                   WarmStartRun(job.generators["data"], job.device, metrics, job.amp))
+        sft_policy(job.policy, job.task, cfg.rl, cfg.lr_scheduler, warm_start_run(job, "data"))
         if checkpoint is not None:
             checkpoint.save(SFT_DONE)
     if resume_phase < WARMUP_DONE:
@@ -79,7 +86,7 @@ def warm_start(job: Job, draft_opt: DraftOptimizer, checkpoint: JobCheckpoint | 
         if cfg.draft.mode != "none":
             warmup_draft(job.policy, job.draft, job.task, job.spec, optimizer=draft_opt, steps=cfg.draft.warmup_steps,
                          batch_size=cfg.rl.sft_batch_size,
-                         run=WarmStartRun(job.generators["warmup"], job.device, metrics, job.amp))
+                         run=warm_start_run(job, "warmup"))
         if checkpoint is not None:
             checkpoint.track(draft_optimizer=OptimizerState(job.draft, draft_opt.optimizer))
             checkpoint.save(WARMUP_DONE)

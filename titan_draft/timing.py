@@ -37,3 +37,21 @@ class DeviceTimer:
         seconds = self._seconds + sum(start.elapsed_time(end) for start, end in self._events) / 1e3
         self._events, self._seconds = [], 0.0
         return seconds
+
+
+class PhasePeak:
+    """The most device memory allocated during a `with` block (a phase of the step), in GiB: torch.cuda's
+    peak statistic, reset on entry. Only CUDA devices keep one: elsewhere `gib` stays None."""
+
+    def __init__(self, device: torch.device):
+        self.on_cuda = torch.device(device).type == "cuda"
+        self.gib = None
+
+    def __enter__(self):
+        if self.on_cuda:
+            torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc):
+        if self.on_cuda:
+            self.gib = torch.cuda.max_memory_allocated() / 2**30

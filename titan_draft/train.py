@@ -37,6 +37,7 @@ from titan_draft.rl_update import WholePolicy
 from titan_draft.rollout import RolloutEngine
 from titan_draft.step import RolloutBatch
 from titan_draft.tasks import Prompts
+from titan_draft.timing import PhasePeak
 from torchtitan.distributed.utils import clip_grad_norm_
 
 
@@ -186,9 +187,15 @@ def train_step(s: RLState, r: Rollouts) -> dict:
 
 
 def rl_step(s: RLState, step: int) -> dict:
-    """RL step `step` (see the module docstring); returns its metrics."""
-    rollouts = collect_rollouts(s)
-    metrics = {**mean_over_dp(rollouts.metrics, s.job.dims), **train_step(s, rollouts)}
+    """RL step `step` (see the module docstring); returns its metrics (on CUDA with the peak memory of
+    each phase: memory_peak_gib_rollout, memory_peak_gib_train, this rank's)."""
+    with PhasePeak(s.job.device) as rollout_memory:
+        rollouts = collect_rollouts(s)
+    with PhasePeak(s.job.device) as train_memory:
+        trained = train_step(s, rollouts)
+    metrics = {**mean_over_dp(rollouts.metrics, s.job.dims), **trained}
+    if rollout_memory.gib is not None:
+        metrics.update(memory_peak_gib_rollout=rollout_memory.gib, memory_peak_gib_train=train_memory.gib)
     if s.cfg.draft.mode != "none":
         metrics.update(spec_metrics(sum_over_dp(rollouts.counts.to(s.job.device), s.job.dims).cpu()))
     _dump_samples(s, rollouts, step)
