@@ -1,4 +1,4 @@
-"""Speculative rollout engine: EAGLE-3 drafting and lossless verification with static KV caches.
+"""Speculative rollout engine: EAGLE-3 drafting and lossless verification with KV caches.
 
 gpt-fast style, plain PyTorch. The engine holds inference copies of the policy (a torchtitan
 llama3 / qwen3 model) and of the draft, refreshed from the trained modules by `load_weights`.
@@ -19,6 +19,15 @@ Bookkeeping, per row b of the batch (prompt length p_b; cache slot = RoPE positi
   Trunk slots past anchor lengths[b] - 2 (padding, rejected drafts, branch keys) are garbage under
   the same rule: the trunk extension after each verify step overwrites them.
 - Prefill runs the whole prompt and samples the first response token; it is not a verify step.
+
+Memory: the KV caches (policy and draft) and every other state buffer indexed by row (tokens,
+lengths, the draft's hidden state and staged taps, ...) hold what calls need, not the engine's
+bounds (max_batch_size rows of max_seq_len + max_k + 1 slots). `generate` makes them hold its rows
+and longest prompt + max_new_tokens + max_k + 1 slots (rounded up to SLOT_ROUNDING): a call that
+fits in the current buffers reuses them and their captured steps; one that does not gets new
+ones, of the larger of each dimension seen, and captures its steps again. `release_caches()`
+gives the buffers and the captured steps back (the weights stay), e.g. while the policy trains;
+`cache_bytes` is what they hold.
 
 Finished rows stop costing compute: row state lives in slots. When the running rows fit a smaller
 bucket (power of two), they are gathered to the front of every slot buffer (caches, tokens,
@@ -409,12 +418,12 @@ class RolloutEngine:
         of each, the slots rounded up to SLOT_ROUNDING (within max_slots), so that calls of similar
         sizes, or alternating ones, settle on one set; the captured steps, which read the old
         buffers' addresses, go with them (release_caches).
-        Kept: `_uses`, so that a shape used CAPTURE_AFTER times is captured again at its next use,
-        not run eagerly; the controller's costs and `_measured`. The costs are seconds per (bucket,
-        K) step, valid on new buffers: a step's work does not depend on where its buffers live, and
-        its attention reads a width set by the longest row (the smallest halving of the slots that
-        holds it: between that length and twice it, for any slot count); the running mean follows
-        what differs."""
+        Kept across new buffers: `_uses` (a shape already used CAPTURE_AFTER times is captured
+        again at its next use, not run eagerly first), `_measured` and the controller's costs. The
+        costs, seconds per (bucket, K) step, stay valid: a step's work depends on its rows, K and
+        the width its attention reads, not on where the buffers live, and that width follows the
+        longest row (the smallest halving of the slots that holds it: under twice its length for
+        any slot count, but at the narrowest level); the running mean follows what differs."""
         if rows <= self.buffer_rows and slots <= self.slots:
             return
         rows = max(rows, self.buffer_rows)
