@@ -33,10 +33,10 @@ def make(name="llama3", max_batch_size=4, draft_vocab=24, seed=0, **engine_kwarg
     return policy, draft, engine_for(policy, draft, max_batch_size, name=name, **engine_kwargs)
 
 
-def engine_for(policy, draft, max_batch_size, *, name="llama3", dtype=torch.float64, **options):
+def engine_for(policy, draft, max_batch_size, *, name="llama3", dtype=torch.float64, max_seq_len=MAX_LEN, **options):
     options.setdefault("min_bucket", 1)  # compaction down to one row: the small batches here compact
-    engine = RolloutEngine(model_args(name, "tiny_gqa", MAX_LEN), draft.args, TAPS, max_batch_size, MAX_LEN, DEVICE,
-                           dtype, options=EngineOptions(**options))
+    engine = RolloutEngine(model_args(name, "tiny_gqa", MAX_LEN), draft.args, TAPS, max_batch_size, max_seq_len,
+                           DEVICE, dtype, options=EngineOptions(**options))
     engine.load_weights(policy, draft)
     return engine
 
@@ -550,6 +550,61 @@ def test_unreplayed_calls_count_the_calls_without_a_graph_replay():
         assert counts[0] > 0 and counts[-1] == 0, counts
     else:
         assert counts == [0, 0, 0, 0]
+
+
+def expected_buffer_bytes(engine, rows, slots):
+    """The state buffers' bytes by their shapes: policy and draft k/v caches and the token buffer
+    [rows, slots, ...], the draft's hidden state and staged taps, and four per-row vectors."""
+    args, dargs, item = model_args("llama3", "tiny_gqa", MAX_LEN), engine.draft.args, engine.dtype.itemsize
+    caches = rows * slots * (args.n_layers * 2 * args.n_kv_heads * (args.dim // args.n_heads)
+                             + 2 * dargs.n_kv_heads * dargs.head_dim) * item
+    tokens = rows * slots * 8
+    draft_state = rows * dargs.dim * item + rows * (engine.max_k + 1) * dargs.n_taps * dargs.dim * item
+    return caches + tokens + draft_state + rows * (8 + 8 + 8 + 1)  # lengths, limit, row_of_slot, done
+
+
+def test_buffers_are_sized_by_the_calls_and_released_without_changing_a_sample():
+    """generate allocates its rows x (longest prompt + budget + max_k + 1, rounded up to 128) slots;
+    a call that fits (fewer rows, a shorter budget) reuses the buffers; a longer budget reallocates;
+    release_caches gives them back. The samples of a seeded call are the same on fresh, released,
+    reallocated and reused buffers."""
+    policy, draft, _ = make()
+    engine = engine_for(policy, draft, 4, max_seq_len=300, max_speculative_tokens=3)
+    assert engine.cache_bytes == 0  # nothing before the first call
+    prompts = variable_prompts([5, 3, 7], seed=13)
+
+    def call(rows, new_tokens):
+        return engine.generate(prompts[:rows], new_tokens, num_speculative_tokens=3, temperature=1.0, eos_id=6,
+                               generator=torch.Generator().manual_seed(new_tokens))
+
+    short = call(3, 20)  # 7 + 20 + 3 + 1 = 31 slots -> 128
+    assert (engine.buffer_rows, engine.slots) == (3, 128)
+    assert engine.cache_bytes == expected_buffer_bytes(engine, 3, 128)
+    cache = engine.k_cache[0]
+    single = call(1, 20)
+    assert engine.k_cache[0] is cache and engine.buffer_rows == 3  # a smaller batch fits
+    del cache
+
+    allocated = torch.cuda.memory_allocated(DEVICE) if DEVICE.type == "cuda" else 0
+    held = engine.cache_bytes
+    engine.release_caches()
+    assert (engine.cache_bytes, engine.buffer_rows, engine.slots, engine.k_cache) == (0, 0, 0, [])
+    assert not engine._steps  # no captured step reads the released buffers
+    if DEVICE.type == "cuda":  # the buffers went back to the allocator
+        assert allocated - torch.cuda.memory_allocated(DEVICE) >= held
+    assert torch.equal(call(3, 20).tokens, short.tokens)  # allocated again
+
+    long = call(3, 150)  # 7 + 150 + 4 = 161 slots: new buffers
+    assert (engine.buffer_rows, engine.slots) == (3, 256)
+    assert engine.cache_bytes == expected_buffer_bytes(engine, 3, 256)
+    fresh = engine_for(policy, draft, 4, max_seq_len=300, max_speculative_tokens=3)
+    assert torch.equal(fresh.generate(prompts, 150, num_speculative_tokens=3, temperature=1.0, eos_id=6,
+                                      generator=torch.Generator().manual_seed(150)).tokens, long.tokens)
+    cache = engine.k_cache[0]
+    assert torch.equal(call(3, 20).tokens, short.tokens)  # the shorter call after it reuses its buffers
+    assert torch.equal(call(1, 20).tokens, single.tokens)
+    assert engine.k_cache[0] is cache and engine.slots == 256
+    assert (long.response_lengths < 150).any() and (short.response_lengths == 20).any()  # eos ended rows
 
 
 def test_folded_multi_query_attention_equals_sdpa_gqa():

@@ -1,4 +1,4 @@
-"""Speculative rollout engine: EAGLE-3 drafting and lossless verification with static KV caches.
+"""Speculative rollout engine: EAGLE-3 drafting and lossless verification with KV caches.
 
 gpt-fast style, plain PyTorch. The engine holds inference copies of the policy (a torchtitan
 llama3 / qwen3 model) and of the draft, refreshed from the trained modules by `load_weights`.
@@ -19,6 +19,15 @@ Bookkeeping, per row b of the batch (prompt length p_b; cache slot = RoPE positi
   Trunk slots past anchor lengths[b] - 2 (padding, rejected drafts, branch keys) are garbage under
   the same rule: the trunk extension after each verify step overwrites them.
 - Prefill runs the whole prompt and samples the first response token; it is not a verify step.
+
+Memory: the KV caches (policy and draft) and every other state buffer indexed by row (tokens,
+lengths, the draft's hidden state and staged taps, ...) hold what calls need, not the engine's
+bounds (max_batch_size rows of max_seq_len + max_k + 1 slots). `generate` makes them hold its rows
+and longest prompt + max_new_tokens + max_k + 1 slots (rounded up to SLOT_ROUNDING): a call that
+fits in the current buffers reuses them and their captured steps; one that does not gets new
+ones, of the larger of each dimension seen, and captures its steps again. `release_caches()`
+gives the buffers and the captured steps back (the weights stay), e.g. while the policy trains;
+`cache_bytes` is what they hold.
 
 Finished rows stop costing compute: row state lives in slots. When the running rows fit a smaller
 bucket (power of two), they are gathered to the front of every slot buffer (caches, tokens,
@@ -65,6 +74,9 @@ from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, probs_f
 CAPTURE_AFTER = 3
 # Counters at the head of the engine's status vector (running, verify rows, emitted, longest).
 STATUS_COUNTS = 4
+# The state buffers' cache slots are a multiple of this (RolloutEngine._reserve): calls of similar
+# budgets share buffers and captured steps.
+SLOT_ROUNDING = 128
 # Distinct attended cache widths: the full cache, then halvings (see RolloutEngine._cache_width).
 CACHE_WIDTH_LEVELS = 6
 # Timed replays per decode-step shape when adaptive K measures a new batch size (median kept).
@@ -346,8 +358,9 @@ class EngineOptions:
 class RolloutEngine:
     def __init__(self, policy_args, draft_args: DraftArgs | None, tap_layers, max_batch_size: int,
                  max_seq_len: int, device, dtype=torch.bfloat16, *, options: EngineOptions = EngineOptions()):
-        """Inference copies of the policy (and draft), and static caches for max_batch_size rows of
-        up to max_seq_len tokens (prompt + response), with up to options.max_speculative_tokens drafts."""
+        """Inference copies of the policy (and draft) for calls of up to max_batch_size rows of up
+        to max_seq_len tokens (prompt + response), with up to options.max_speculative_tokens
+        drafts. The KV caches and other state buffers come with the first `generate`."""
         family = family_of_args(policy_args)
         model_cls, self._rope, rope_name = family.model_cls, family.apply_rotary_emb, family.rope_buffer
         self.tap_layers = sorted(tap_layers)
@@ -358,68 +371,106 @@ class RolloutEngine:
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_k = options.max_speculative_tokens
         self.compact, self.min_bucket = options.compact, options.min_bucket
-        # Verify windows of finished rows and the last step may run K + 1 slots past max_seq_len.
-        self.slots = max_seq_len + self.max_k + 1
+        # Verify windows of finished rows and the last step may run K + 1 slots past a row's budget.
+        self.max_slots = max_seq_len + self.max_k + 1
 
         with torch.device(self.device), _default_dtype(dtype):
-            self.policy = model_cls(replace(policy_args, max_seq_len=self.slots))
+            self.policy = model_cls(replace(policy_args, max_seq_len=self.max_slots))
         self.policy.eval().requires_grad_(False)
         self._rope_table = lambda: getattr(self.policy, rope_name)
-        attn = self.policy.layers["0"].attention
-        cache_shape = (max_batch_size, self.slots, attn.n_kv_heads, attn.head_dim)
-        self.k_cache = [torch.zeros(cache_shape, device=self.device, dtype=dtype) for _ in self.policy.layers]
-        self.v_cache = [torch.zeros(cache_shape, device=self.device, dtype=dtype) for _ in self.policy.layers]
-
         self.draft, self._target_ids = None, None
         if draft_args is not None:
             with torch.device(self.device), _default_dtype(dtype):
-                self.draft = EagleDraft(replace(draft_args, max_seq_len=self.slots))
+                self.draft = EagleDraft(replace(draft_args, max_seq_len=self.max_slots))
             self.draft.eval().requires_grad_(False)
-            # Slot = anchor for the trunk; pass k's branch key goes to slot anchor + k - 1 (see draft_pass).
-            draft_shape = (max_batch_size, self.slots, draft_args.n_kv_heads, draft_args.head_dim)
-            self.draft_k = torch.zeros(draft_shape, device=self.device, dtype=dtype)
-            self.draft_v = torch.zeros(draft_shape, device=self.device, dtype=dtype)
 
-        # Decode-step state, static so that captured steps always find it at the same addresses.
-        # Row state lives in slots; _row_of_slot maps a slot to its row of the call (compaction).
-        # Token columns: a verify window may start at max_seq_len - 1 and write K + 1 tokens.
-        self._tokens = torch.zeros(max_batch_size, max_seq_len + self.max_k + 1, dtype=torch.long, device=self.device)
-        self._lengths = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
-        self._limit = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # prompt + max_new_tokens
-        self._done = torch.zeros(max_batch_size, dtype=torch.bool, device=self.device)
-        self._row_of_slot = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
-        self._eos = torch.zeros((), dtype=torch.long, device=self.device)
         # What the loop reads once per step: running rows, verify rows, emitted tokens, the longest
         # row's length, then per draft position the row-steps that accepted it and that proposed it.
         self._status = torch.zeros(STATUS_COUNTS + 2 * self.max_k, dtype=torch.long, device=self.device)
         self._running, self._verify_rows, self._emitted, self._longest = self._status[:STATUS_COUNTS]
         self._accepted = self._status[STATUS_COUNTS:STATUS_COUNTS + self.max_k]
         self._drafted = self._status[STATUS_COUNTS + self.max_k:]
-        if self.draft is not None:
-            self._hidden = torch.zeros(max_batch_size, draft_args.dim, dtype=dtype, device=self.device)
-            # Taps of up to max_k + 1 K = 0 steps, put into the draft's trunk before the next draft.
-            self._staged_taps = torch.zeros(max_batch_size, self.max_k + 1, draft_args.n_taps * draft_args.dim,
-                                            dtype=dtype, device=self.device)
-            self._num_staged = torch.zeros((), dtype=torch.long, device=self.device)
+        self._eos = torch.zeros((), dtype=torch.long, device=self.device)
+        self._num_staged = torch.zeros((), dtype=torch.long, device=self.device)  # columns of _staged_taps in use
         # Every random draw of generate() comes from this generator, seeded from the caller's.
         self._rng = torch.Generator(self.device)
         self.cuda_graphs = options.cuda_graphs and self.device.type == "cuda"
         self._steps: dict[object, object] = {}
         self._uses: dict[object, int] = {}
         self._unreplayed = 0  # _run calls of the current generate() that were not graph replays
-        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self._graph_pool = None  # the captured steps' private memory pool (taken at the first capture)
         self.controller = GoodputController(self.max_k)
         self._measured: set[tuple] = set()  # (rows, K, temperature, top_p) of adaptive calls measured
+        self.buffer_rows = self.slots = 0  # the state buffers' rows and cache slots (none yet)
+        self.k_cache, self.v_cache = [], []
 
         self._policy_step, self._draft_extend, self._draft_pass = (
-            self.policy_forward, self.draft_extend, self.draft_pass)
+            self._cached_policy_forward, self._cached_draft_extend, self._cached_draft_pass)
         if options.compile:
-            self._policy_step = torch.compile(self.policy_forward, dynamic=False)
-            self._draft_extend = torch.compile(self.draft_extend, dynamic=False)
-            self._draft_pass = torch.compile(self.draft_pass, dynamic=False)
+            self._policy_step = torch.compile(self._cached_policy_forward, dynamic=False)
+            self._draft_extend = torch.compile(self._cached_draft_extend, dynamic=False)
+            self._draft_pass = torch.compile(self._cached_draft_pass, dynamic=False)
+
+    # --- state buffers -------------------------------------------------------------------------------
+    def _reserve(self, rows: int, slots: int) -> None:
+        """State buffers that hold `rows` rows of `slots` cache slots: the current ones when they do.
+        Else new ones, zeroed (masked slots must hold finite numbers: 0 x inf is nan), of the larger
+        of each, the slots rounded up to SLOT_ROUNDING (within max_slots), so that calls of similar
+        sizes, or alternating ones, settle on one set; the captured steps, which read the old
+        buffers' addresses, go with them (release_caches).
+        Kept across new buffers: `_uses` (a shape already used CAPTURE_AFTER times is captured
+        again at its next use, not run eagerly first), `_measured` and the controller's costs. The
+        costs, seconds per (bucket, K) step, stay valid: a step's work depends on its rows, K and
+        the width its attention reads, not on where the buffers live, and that width follows the
+        longest row (the smallest halving of the slots that holds it: under twice its length for
+        any slot count, but at the narrowest level); the running mean follows what differs."""
+        if rows <= self.buffer_rows and slots <= self.slots:
+            return
+        rows = max(rows, self.buffer_rows)
+        slots = min(max(-(-slots // SLOT_ROUNDING) * SLOT_ROUNDING, self.slots), self.max_slots)
+        self.release_caches()
+        zeros = partial(torch.zeros, device=self.device)
+        attn = self.policy.layers["0"].attention
+        cache_shape = (rows, slots, attn.n_kv_heads, attn.head_dim)
+        self.k_cache = [zeros(cache_shape, dtype=self.dtype) for _ in self.policy.layers]
+        self.v_cache = [zeros(cache_shape, dtype=self.dtype) for _ in self.policy.layers]
+        # Row state lives in slots; _row_of_slot maps a slot to its row of the call (compaction).
+        self._tokens = zeros(rows, slots, dtype=torch.long)  # a verify window writes K + 1 columns
+        self._lengths = zeros(rows, dtype=torch.long)
+        self._limit = zeros(rows, dtype=torch.long)  # prompt + max_new_tokens
+        self._done = zeros(rows, dtype=torch.bool)
+        self._row_of_slot = zeros(rows, dtype=torch.long)
+        if self.draft is not None:
+            # Slot = anchor for the trunk; pass k's branch key goes to slot anchor + k - 1 (see draft_pass).
+            args = self.draft.args
+            self.draft_k = zeros(rows, slots, args.n_kv_heads, args.head_dim, dtype=self.dtype)
+            self.draft_v = zeros(rows, slots, args.n_kv_heads, args.head_dim, dtype=self.dtype)
+            self._hidden = zeros(rows, args.dim, dtype=self.dtype)
+            # Taps of up to max_k + 1 K = 0 steps, put into the draft's trunk before the next draft.
+            self._staged_taps = zeros(rows, self.max_k + 1, args.n_taps * args.dim, dtype=self.dtype)
+        self.buffer_rows, self.slots = rows, slots
+
+    def release_caches(self) -> None:
+        """Give back the KV caches, every other state buffer and the captured steps with their
+        private memory pool (to PyTorch's caching allocator: torch.cuda.empty_cache() hands it on
+        to the driver), e.g. while the policy trains. The weights stay; the next `generate`
+        allocates again and captures its steps again."""
+        self.k_cache, self.v_cache = [], []
+        self._tokens = self._lengths = self._limit = self._done = self._row_of_slot = None
+        self.draft_k = self.draft_v = self._hidden = self._staged_taps = None
+        self._steps.clear()  # the graphs, and with the last of them the pool's claim on its memory
+        self._graph_pool = None  # a pool whose graphs are gone cannot take new captures: a new one
+        self.buffer_rows = self.slots = 0
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes held by the state buffers now (KV caches, tokens, row state; 0 when released)."""
+        return sum(buffer.nbytes for buffer in self._slot_buffers())
 
     def _slot_buffers(self) -> list[torch.Tensor]:
-        """Every state buffer indexed by slot (dim 0), for compaction."""
+        """Every state buffer indexed by slot (dim 0), for compaction (none when released)."""
+        if not self.buffer_rows:
+            return []
         buffers = [*self.k_cache, *self.v_cache, self._tokens, self._lengths, self._limit, self._done,
                    self._row_of_slot]
         if self.draft is not None:
@@ -448,9 +499,16 @@ class RolloutEngine:
 
         Writes their keys/values into the cache, attends slots <= each query's position, and
         returns logits [B, S, V], tap features [B, S, n_taps * dim] (tap layers' outputs, ascending)
-        and the token embeddings [B, S, dim]. width: the cache slots attention reads (default all);
-        every position must lie below it.
+        and the token embeddings [B, S, dim]. width: the cache slots attention reads (default
+        max_slots); every position must lie below it. The state buffers are made to hold B rows
+        and width slots first (_reserve: new ones start from zero).
         """
+        width = width or self.max_slots
+        self._reserve(tokens.shape[0], width)
+        return self._cached_policy_forward(tokens, positions, width)
+
+    def _cached_policy_forward(self, tokens: torch.Tensor, positions: torch.Tensor, width: int):
+        """policy_forward on the state buffers as they are (generate's steps: no host-side check)."""
         B = tokens.shape[0]
         rows = torch.arange(B, device=tokens.device)[:, None]
         mask = self._visible(positions, width)  # [B, S, width]
@@ -489,8 +547,15 @@ class RolloutEngine:
 
         next_emb [B, W, dim]: policy embeddings of x_{i+1}; taps [B, W, n_taps * dim]: taps at i.
         Writes their trunk keys and returns pass 1's hidden at the last real anchor, [B, dim].
-        width: the cache slots attention reads (default all), above every anchor.
+        width: the cache slots attention reads (default max_slots), above every anchor; the state
+        buffers are made to hold B rows and width slots first (as in policy_forward).
         """
+        width = width or self.max_slots
+        self._reserve(next_emb.shape[0], width)
+        return self._cached_draft_extend(next_emb, taps, start, count, width)
+
+    def _cached_draft_extend(self, next_emb, taps, start, count, width: int):
+        """draft_extend on the state buffers as they are."""
         B, W, _ = next_emb.shape
         rows = torch.arange(B, device=next_emb.device)
         anchors = start[:, None] + torch.arange(W, device=next_emb.device)
@@ -499,7 +564,6 @@ class RolloutEngine:
         self.draft_k[rows[:, None], anchors] = k.view(B, W, *k.shape[1:])
         self.draft_v[rows[:, None], anchors] = v.view(B, W, *v.shape[1:])
         mask = self._visible(anchors, width)  # trunk slots <= anchor
-        width = mask.shape[-1]
         out = _attend(q.view(B, W, *q.shape[1:]), self.draft_k[:B, :width], self.draft_v[:B, :width], mask)
         hidden = self.draft.complete(out, hidden)
         return hidden[rows, count - 1]
@@ -507,13 +571,20 @@ class RolloutEngine:
     def draft_pass(self, k: int, emb: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
                    width: int | None = None):
         """Pass k >= 2 at anchor [B]: input e(t_{k-1}) [B, dim] and pass k-1's hidden [B, dim];
-        returns pass k's hidden [B, dim]. width: the cache slots attention reads (default all).
+        returns pass k's hidden [B, dim]. width: the cache slots attention reads (default
+        max_slots); the state buffers are made to hold B rows and width slots first.
 
         Its key goes to slot anchor + k - 1, its RoPE position, so that slots <= anchor + k - 1
         are exactly what pass k attends: the trunk (anchors <= anchor) and passes 2..k's branch keys.
         Those slots belong to anchors whose next token is not known yet: garbage under the rollback
         rule, overwritten by the trunk extension after the verify step.
         """
+        width = width or self.max_slots
+        self._reserve(emb.shape[0], width)
+        return self._cached_draft_pass(k, emb, hidden, anchor, width)
+
+    def _cached_draft_pass(self, k: int, emb, hidden, anchor, width: int):
+        """draft_pass on the state buffers as they are."""
         B = emb.shape[0]
         rows = torch.arange(B, device=emb.device)
         slot = anchor + k - 1
@@ -521,14 +592,14 @@ class RolloutEngine:
         self.draft_k[rows, slot] = key
         self.draft_v[rows, slot] = value
         mask = self._visible(slot[:, None], width)
-        width = mask.shape[-1]
         out = _attend(q[:, None], self.draft_k[:B, :width], self.draft_v[:B, :width], mask)
         return self.draft.complete(out[:, 0], hidden)
 
-    def _visible(self, last: torch.Tensor, width: int | None) -> torch.Tensor:
+    @staticmethod
+    def _visible(last: torch.Tensor, width: int) -> torch.Tensor:
         """The attention mask [*last.shape, width] of queries that see cache slots 0..last (every
-        cache holds slot = RoPE position) among the first `width` slots (default all)."""
-        return torch.arange(width or self.slots, device=last.device) <= last[..., None]
+        cache holds slot = RoPE position) among the first `width` slots."""
+        return torch.arange(width, device=last.device) <= last[..., None]
 
     def _propose(self, hidden, anchor, K, temperature, top_p, noise, width):
         """K chained draft tokens [B, K] and their distributions [B, K, V] (target vocabulary, 0
@@ -591,7 +662,11 @@ class RolloutEngine:
 
     def captured(self, fn):
         """fn (no arguments, no outputs) as a CapturedCall on CUDA with cuda_graphs, else fn itself."""
-        return CapturedCall(fn, self._rng, self._graph_pool) if self.cuda_graphs else fn
+        if not self.cuda_graphs:
+            return fn
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return CapturedCall(fn, self._rng, self._graph_pool)
 
     def _run(self, key, fn) -> bool:
         """fn(), replayed from its CUDA graph once its key has been used CAPTURE_AFTER times (eagerly
@@ -777,6 +852,7 @@ class RolloutEngine:
         wall = time.perf_counter()
         B, P = padded.shape
         total = P + max_new_tokens
+        self._reserve(B, total + self.max_k + 1)
         seed_device = generator.device if generator is not None else "cpu"
         if adaptive and (B, K, temperature, top_p) not in self._measured:
             with self._clock(timing, "measure_s"):
