@@ -126,6 +126,9 @@ class Rollout:
     """Pick the number of draft tokens (0..num_speculative_tokens) before every decode step for the most
     tokens per second, from measured step costs and acceptance (rollout/engine.py GoodputController);
     false = always num_speculative_tokens. Measured costs make adaptive runs not bit-reproducible."""
+    release_caches: bool = True
+    """Give the engine's KV caches (and the CUDA graphs that read them) back after each step's rollouts, so
+    the training phase has their memory; false keeps them and their graphs (no re-capture each step)."""
     dump_samples: int = 0
     """Rollouts per RL step written to <dump_folder>/rollouts/step_<k>.jsonl for people to read."""
 

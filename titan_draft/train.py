@@ -107,6 +107,8 @@ def collect_rollouts(s: RLState) -> Rollouts:
                            *result.accepted_per_position.tolist(), *result.drafted_per_position.tolist()],
                           dtype=torch.float64)
     lengths = result.response_lengths.cpu()
+    if ro.release_caches:  # the training phase gets their memory
+        s.engine.release_caches()
     return Rollouts(prompts, result.tokens.cpu(), result.prompt_lengths.cpu(), lengths, {
         "acceptance_length": result.acceptance_length,
         "rollout_tokens_per_s": result.tokens_per_s,
