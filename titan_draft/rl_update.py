@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from titan_draft.cotrain import DraftFeatures, draft_backward, valid_pairs
 from titan_draft.grpo import grpo_objective
 from titan_draft.models.draft import Teacher
-from titan_draft.models.policy import HeadRequest, TapRecorder, job_model_args, policy_from_args, token_outputs
+from titan_draft.models.policy import (HeadRequest, TapRecorder, cast_parameters, job_model_args, policy_from_args,
+                                       token_outputs)
 from titan_draft.packing import microbatch_ranges
 from titan_draft.parallel.context_parallel import apply_context_parallel, shard_batch_for_cp
 from titan_draft.parallel.parallelize import (batch_group, compute_dtype, cp_mesh, loss_scale, parallelize_policy,
@@ -54,9 +55,9 @@ def reference_policy(policy: nn.Module, job) -> nn.Module:
     cfg, dims = job.cfg, job.dims
     dtype = compute_dtype(cfg.training.mixed_precision_param, job.device)
     if dims is None:
-        reference = copy.deepcopy(policy).to(dtype)
+        reference = cast_parameters(copy.deepcopy(policy), dtype)
     else:
-        reference = parallelize_policy(policy_from_args(job_model_args(cfg)).to(dtype), dims, cfg)
+        reference = parallelize_policy(cast_parameters(policy_from_args(job_model_args(cfg)), dtype), dims, cfg)
         set_model_state_dict(reference, get_model_state_dict(policy))
     return reference.requires_grad_(False)
 

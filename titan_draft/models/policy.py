@@ -85,6 +85,15 @@ def policy_from_args(args, seed: int | None = None, device=None) -> nn.Module:
     return model
 
 
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The model's parameters in `dtype`, in place; buffers untouched (Module.to would also cast the
+    complex RoPE table to a real dtype, dropping its imaginary part)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+    return model
+
+
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from titan_draft import _compat
 from titan_draft.io import full_state_dict
-from titan_draft.models.policy import job_model_args, policy_from_args
+from titan_draft.models.policy import cast_parameters, job_model_args, policy_from_args
 from titan_draft.parallel.context_parallel import apply_context_parallel
 from titan_draft.parallel.parallelize import (apply_activation_checkpointing, compute_dtype, cp_mesh, loss_group,
                                               loss_scale, parallelize_policy)
@@ -118,7 +118,7 @@ class PipelinedPolicy:
             with torch.no_grad():
                 part.init_weights(buffer_device=device)  # the non-persistent RoPE table
             part.load_state_dict({name: weights[name] for name in part.state_dict()})
-            part.to(dtype)
+            cast_parameters(part, dtype)
             if checkpointed:
                 apply_activation_checkpointing(part, self.cfg)
             parallelize_policy(part, self.dims, self.cfg)
