@@ -5,8 +5,8 @@
 DIR is a checkpoint step folder (`.../checkpoint/step-N`) or the checkpoint folder itself (then its
 latest complete step); it must hold a warmed-up draft (the draft warm-up or RL has run). The job config
 gives the model shapes and tap layers, as for training. --engine: the two engines number the tap
-layers differently (titan_draft/eagle3.py); "both" (default) serves either engine when the taps are
-their default set (1, L//2-1, L-4), other taps need the engine named.
+layers differently and read them from different keys (titan_draft/eagle3.py); "both" (default) writes
+each engine's numbering under its own key, "vllm" or "sglang" only that engine's.
 """
 import argparse
 import os
