@@ -131,7 +131,7 @@ def step_of(state: RLState):
             stats = train_step(state, rollouts)
         m = rollouts.metrics
         record = {"rollout_s": m["rollout_time_s"], "train_s": stats["train_time_s"],
-                  "draft_s": stats.get("draft_time_s", 0.0), "acceptance_length": m["acceptance_length"],
+                  "draft_s": stats.get("draft_time_s", 0.0), "acceptance_length": m["tokens_per_verify_forward"],
                   "generated_tokens": int(rollouts.response_lengths.sum()), "response_len_max": m["response_len_max"],
                   "rollout_tokens_per_s": m["rollout_tokens_per_s"], "reward_mean": stats["reward_mean"],
                   "memory_peak_gib_rollout": memory[0].gib, "memory_peak_gib_train": memory[1].gib,

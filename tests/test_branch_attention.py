@@ -493,10 +493,10 @@ def test_cudnn_document_batches_match_dense(monkeypatch, causal, min_document, m
     split = kernels_module._split_for_cudnn(q, k, varlen)
     # Share 1: one batch per shape. Share 8: one per document, the 3-row one aside (14 // 3 > 1).
     groups = {(True, 1): (4, 7), (False, 1): (4, 6), (True, 18): (1, 1), (False, 18): (1, 1)}
-    assert len(split.groups) == groups[causal, min_document][max_batch_share == 8]
+    assert len(split.layout.groups) == groups[causal, min_document][max_batch_share == 8]
     assert (split.short_varlen is None) == (min_document == 1)
     # Causal: every row is some kernel's. Full: 3 queries without keys, 4 keys without queries.
-    assert split.all_rows_written == ((True, True) if causal else (False, False))
+    assert split.layout.rest_written == ((True, True) if causal else (False, False))
     out, lse = kernels_module._cudnn_forward(q, k, v, varlen, 0.3)
     out_ref, lse_ref = dense_block_attention(q, k, v, cu_q, cu_k, causal, 0.3)
     torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)

@@ -182,10 +182,10 @@ def test_shipped_configs_validate(path, tmp_path):
 
 def test_cli_overrides_take_precedence_over_toml():
     base = parse_config(["--job.config_file", str(TOML)])
-    assert base.draft.tap_layers == [0, 1, 3] and base.draft.ttt_steps == 3
-    cfg = parse_config(["--job.config_file", str(TOML), "--draft.tap_layers", "0", "1", "2",
+    assert base.draft.tap_layers == [0, 1, 2] and base.draft.ttt_steps == 3
+    cfg = parse_config(["--job.config_file", str(TOML), "--draft.tap_layers", "0", "2", "3",
                         "--draft.ttt_steps", "5", "--rollout.temperature", "0.5"])
-    assert cfg.draft.tap_layers == [0, 1, 2]
+    assert cfg.draft.tap_layers == [0, 2, 3]
     assert cfg.draft.ttt_steps == 5
     assert cfg.rollout.temperature == 0.5
     assert cfg.draft.vocab_size == base.draft.vocab_size == 20  # untouched keys keep the TOML's value

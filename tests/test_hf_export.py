@@ -195,6 +195,7 @@ def engine_aux_hidden_states(entering: list[torch.Tensor], capture: list[int]) -
 
 
 ENGINE_RULES = {"vllm": [vllm_capture, vllm_capture_with_eagle_config_fallback], "sglang": [sglang_capture]}
+ENGINE_RULES["both"] = ENGINE_RULES["vllm"] + ENGINE_RULES["sglang"]
 
 
 @pytest.mark.parametrize("model_name", ["llama3", "qwen3"])
@@ -205,6 +206,9 @@ def test_each_engine_feeds_the_draft_exactly_the_trained_taps(model_name):
     assert engine_default_taps(n_layers) == default == [1, 3, 4]
     recorders = [TapRecorder(policy, default), TapRecorder(policy, [0, 2, n_layers - 2])]
     entering = layer_inputs(policy, packed_documents(32), recorders)
+    no_ids = {"eagle_config": {"use_aux_hidden_state": True}}  # a published draft without ids: the default taps
+    for rule in ENGINE_RULES["both"]:
+        assert torch.equal(engine_aux_hidden_states(entering, rule(no_ids, n_layers)), recorders[0].taps())
     for recorder in recorders:
         taps, trained = recorder.layer_ids, recorder.taps()
         for engine, rules in ENGINE_RULES.items():
@@ -212,28 +216,19 @@ def test_each_engine_feeds_the_draft_exactly_the_trained_taps(model_name):
             for rule in rules:
                 assert torch.equal(engine_aux_hidden_states(entering, rule(config, n_layers)), trained), \
                     (engine, rule.__name__, taps)
-        if taps == default:  # no ids: right for every engine
-            config = tap_layer_ids(taps, n_layers)
-            assert IDS_KEY not in config and IDS_KEY not in config["eagle_config"]
-            for rule in [*ENGINE_RULES["vllm"], *ENGINE_RULES["sglang"]]:
-                assert torch.equal(engine_aux_hidden_states(entering, rule(config, n_layers)), trained)
-        else:  # the conventions really differ: SGLang's ids read by a vLLM that looks in eagle_config
-            sglang_ids = tap_layer_ids(taps, n_layers, "sglang")
-            assert not torch.equal(engine_aux_hidden_states(
-                entering, vllm_capture_with_eagle_config_fallback(sglang_ids, n_layers)), trained)
+        # the conventions really differ: SGLang's ids read by a vLLM that looks in eagle_config
+        sglang_ids = tap_layer_ids(taps, n_layers, "sglang")
+        assert not torch.equal(engine_aux_hidden_states(
+            entering, vllm_capture_with_eagle_config_fallback(sglang_ids, n_layers)), trained)
 
 
 def test_export_refuses_taps_an_engine_cannot_feed():
-    with pytest.raises(ConfigError) as error:
-        tap_layer_ids([0, 2, 5], 8)
-    assert str(error.value) == ("draft.tap_layers: [0, 2, 5] are not the layers SGLang and vLLM feed by default to "
-                                "a 8-layer policy ([1, 3, 4]), and the two engines number explicit ids differently; "
-                                "export with --engine vllm or --engine sglang")
-    with pytest.raises(ConfigError) as error:
-        tap_layer_ids([0, 1, 3], 4, "vllm")  # the default CPU job's taps: 3 is the last layer's output
-    assert str(error.value) == ("draft.tap_layers: [0, 1, 3] cannot be fed by SGLang or vLLM to a 4-layer policy: "
-                                "they capture the state entering a decoder layer, so only distinct ascending outputs "
-                                "of layers 0..2 (not the last layer's); train with such taps to export")
+    for engine in ENGINE_RULES:
+        with pytest.raises(ConfigError) as error:
+            tap_layer_ids([0, 1, 3], 4, engine)  # 3 is the last layer's output
+        assert str(error.value) == ("draft.tap_layers: [0, 1, 3] cannot be fed by SGLang or vLLM to a 4-layer policy: "
+                                    "they capture the state entering a decoder layer, so only distinct ascending "
+                                    "outputs of layers 0..2 (not the last layer's); train with such taps to export")
     with pytest.raises(ConfigError, match="exactly 3 tap layers, this draft has 2"):
         tap_layer_ids([1, 2], 8, "sglang")
 
@@ -348,14 +343,15 @@ def test_export_draft_command_refuses_a_checkpoint_before_the_draft_warmup(tmp_p
     assert not (tmp_path / "out").exists()
 
 
-RUN = ["--job.config_file", CONFIG, "--model.flavor", "tiny_gqa", "--training.seq_len", "16", "--task.num_items", "2",
-       "--task.alphabet_size", "4", "--rl.sft_steps", "4", "--draft.warmup_steps", "2", "--rl.prompts_per_step", "4",
-       "--rl.group_size", "2", "--rl.sft_batch_size", "8", "--training.steps", "1", "--draft.tap_layers", "0", "1", "2",
-       "--checkpoint.enable", "--checkpoint.interval", "1", "--metrics.no-enable-tensorboard"]
+RUN = ["--job.config_file", CONFIG, "--training.seq_len", "16", "--task.num_items", "2", "--task.alphabet_size", "4",
+       "--rl.sft_steps", "4", "--draft.warmup_steps", "2", "--rl.prompts_per_step", "4", "--rl.group_size", "2",
+       "--rl.sft_batch_size", "8", "--training.steps", "1", "--checkpoint.enable", "--checkpoint.interval", "1",
+       "--metrics.no-enable-tensorboard"]  # the default job (its model and taps), shortened
 
 
-def test_export_of_a_real_job_checkpoint_loads_back_and_refuses_its_sft_step(tmp_path):
-    """A short real job (SFT -> step-1, warm-up -> step-2, one RL step -> step-3), then the exporter."""
+def test_default_job_checkpoint_exports_for_every_engine_and_refuses_its_sft_step(tmp_path):
+    """A short default job (SFT -> step-1, warm-up -> step-2, one RL step -> step-3), then the exporter
+    for each engine: the folder loads back bit for bit and each engine's rule feeds it the trained taps."""
     job = subprocess.run([sys.executable, "-m", "titan_draft.train", *RUN, "--job.dump_folder", str(tmp_path / "job")],
                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                          timeout=300)
@@ -364,12 +360,18 @@ def test_export_of_a_real_job_checkpoint_loads_back_and_refuses_its_sft_step(tmp
     with pytest.raises(ConfigError, match=f"^--checkpoint {checkpoints / 'step-1'}: holds phase SFT_DONE"):
         export_draft_main(["--checkpoint", str(checkpoints / "step-1"), "--output", str(tmp_path / "out"), *RUN])
 
-    export_draft_main(["--checkpoint", str(checkpoints), "--output", str(tmp_path / "out"), "--engine", "sglang", *RUN])
     cfg = parse_config(RUN)
     args = model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
     trained, layers = build_draft(cfg, args, torch.device("cpu"))
+    assert layers == [0, 1, 2]  # train_configs/sort_tiny_cpu.toml's
     dcp.load({"draft": trained.state_dict()}, checkpoint_id=str(checkpoints / "step-3"))
-    loaded, _ = build_draft(parse_config(RUN + ["--debug.seed", "5"]), args, torch.device("cpu"))
-    load_draft(loaded, str(tmp_path / "out"), layers, n_layers=args.n_layers)
-    for name, tensor in trained.state_dict().items():
-        assert torch.equal(loaded.state_dict()[name], tensor), name
+    for engine, rules in ENGINE_RULES.items():
+        out = tmp_path / engine
+        export_draft_main(["--checkpoint", str(checkpoints), "--output", str(out), "--engine", engine, *RUN])
+        config = json.loads((out / "config.json").read_text())
+        for rule in rules:  # the layers it enters: the outputs of layers 0, 1, 2
+            assert rule(config, args.n_layers) == [1, 2, 3], (engine, rule.__name__)
+        loaded, _ = build_draft(parse_config(RUN + ["--debug.seed", "5"]), args, torch.device("cpu"))
+        load_draft(loaded, str(out), layers, n_layers=args.n_layers)
+        for name, tensor in trained.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], tensor), (engine, name)

@@ -148,7 +148,7 @@ def test_mistyped_toml_value_is_named_with_its_type(tmp_path, capsys):
     bad.write_text(text.replace("lr = 6e-4", 'lr = "abc"'))
     assert one_line_error(capsys, ["--job.config_file", str(bad)]) == \
         "config error: rl.lr: 'abc' has type str, expected float; fix it in the config file\n"
-    bad.write_text(text.replace("tap_layers = [0, 1, 3]", 'tap_layers = [0, "1"]'))
+    bad.write_text(text.replace("tap_layers = [0, 1, 2]", 'tap_layers = [0, "1"]'))
     assert one_line_error(capsys, ["--job.config_file", str(bad)]) == \
         "config error: draft.tap_layers: [0, '1'] has type list, expected list[int]; fix it in the config file\n"
 

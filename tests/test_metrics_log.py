@@ -1,5 +1,5 @@
-"""metrics.jsonl keeps one row per step across resumes, and progress reads well in a log file
-(titan_draft/metrics.py)."""
+"""metrics.jsonl keeps one row per step across resumes, the console line shows one acceptance-length
+figure, and progress reads well in a log file (titan_draft/metrics.py)."""
 import io
 import re
 
@@ -24,6 +24,15 @@ def test_replayed_steps_replace_their_rows(tmp_path):
     # Started over without a checkpoint: the whole history is redone.
     log_all(tmp_path, [("sft", 1, 0.7)])
     assert read_metrics(str(tmp_path / "metrics.jsonl")) == [{"phase": "sft", "step": 1, "loss": 0.7}]
+
+
+def test_console_line_shows_one_acceptance_length_and_the_file_keeps_both(tmp_path, capsys):
+    metrics = MetricsLogger(str(tmp_path), tensorboard=False)
+    metrics.log("rl", 1, {"tokens_per_verify_forward": 3.25, "spec_acceptance_length": 3.75})
+    metrics.close()
+    assert capsys.readouterr().out == "[rl    1] spec_acceptance_length 3.75\n"
+    assert read_metrics(str(tmp_path / "metrics.jsonl")) == [
+        {"phase": "rl", "step": 1, "tokens_per_verify_forward": 3.25, "spec_acceptance_length": 3.75}]
 
 
 def run_bar(steps: int, **kwargs) -> None:

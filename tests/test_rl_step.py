@@ -146,14 +146,14 @@ def test_notebook_plots_the_runs(runs, tmp_path):
         rl = [r for r in records[mode] if r["phase"] == "rl"]
         got = summary["runs"][mode]
         assert got["rl_steps"] == len(rl) == 3
-        for key in ("acceptance_length", "reward_mean"):
+        for key in ("tokens_per_verify_forward", "reward_mean"):
             assert math.isclose(got[f"{key}_first{window}"], sum(r[key] for r in rl[:window]) / len(rl[:window]))
             assert math.isclose(got[f"{key}_last{window}"], sum(r[key] for r in rl[-window:]) / len(rl[-window:]))
         tps = sum(r["rollout_tokens_per_s"] for r in rl) / len(rl)
         assert math.isclose(got["rollout_tokens_per_s"], tps)
-    assert summary["runs"]["none"]["acceptance_length_first5"] == 1.0  # no speculation: one token per forward
+    assert summary["runs"]["none"]["tokens_per_verify_forward_first5"] == 1.0  # no speculation: one token per forward
     warm = [r for r in records["cotrain"] if r["phase"] == "draft_warmup"]
     assert math.isclose(summary["runs"]["cotrain"]["draft_acc_pass1_end_of_warmup"], warm[-1]["draft_acc_pass1"])
     cot, fro = summary["runs"]["cotrain"], summary["runs"]["frozen"]
     assert math.isclose(summary["cotrain_minus_frozen_acceptance_last"],
-                        cot[f"acceptance_length_last{window}"] - fro[f"acceptance_length_last{window}"])
+                        cot[f"tokens_per_verify_forward_last{window}"] - fro[f"tokens_per_verify_forward_last{window}"])

@@ -64,7 +64,7 @@ class Draft:
     """Draft learning rate (AdamW) for warm-up, and for co-training unless cotrain_lr is set."""
     cotrain_lr: float = 0.0
     """Draft learning rate during RL co-training; 0 = draft.lr. A converged draft fine-tuned online at the
-    warm-up's rate can lose acceptance to a few noisy updates (README "Co-training's cost")."""
+    warm-up's rate can lose acceptance to a few noisy updates (docs/RESULTS.md "Co-training's cost")."""
     max_norm: float = 1.0
     """Gradient-norm clip of the draft's parameter group."""
     warmup_steps: int = 200
@@ -72,7 +72,7 @@ class Draft:
     train_fraction: float = 1.0
     """Fraction of each RL step's rollouts (whole documents, drawn at random) the draft runs on, its loss
     reweighted to an unbiased estimate of the loss over all of them; < 1 cuts the draft's share of the
-    train time (README "Co-training's cost")."""
+    train time (docs/RESULTS.md "Co-training's cost")."""
     cp_mode: Literal["ring", "allgather"] = "ring"
     """Context-parallel attention (policy and draft) when parallelism.context_parallel_degree > 1."""
     restore_after_skips: int = 3

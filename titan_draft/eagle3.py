@@ -35,9 +35,11 @@ layer j runs, j in layer order, each layer once), i.e. the output of layer j - 1
   ("for the ith layer, it takes the output of the (i-1)th layer"), so id t = output of layer t.
   No ids: capture before (2, L//2, L-3). So tap t is written as t, inside eagle_config.
 - Neither can feed the output of the last layer L - 1 (no layer L is entered): taps must lie in
-  0..L-2. Without ids both feed the outputs of layers (1, L//2-1, L-4), this project's default taps.
-`engine="both"` (the default) writes no ids, which is right for both engines exactly when the taps are
-that default set; other taps need `engine="vllm"` or `engine="sglang"`.
+  0..L-2. Without ids both feed the outputs of layers (1, L//2-1, L-4), this project's default taps
+  (a published draft without ids is read that way).
+`engine="both"` (the default) writes each engine's ids where that engine reads them: t + 1 at the top
+level (vLLM reads eagle_config only when the top level has none) and t inside eagle_config (SGLang reads
+nothing else), so one folder serves both engines for any taps they can feed.
 """
 import json
 import os
@@ -75,18 +77,11 @@ def tap_layer_ids(tap_layers: list[int], n_layers: int, engine: str = BOTH_ENGIN
         raise ConfigError(f"draft.tap_layers: {taps} cannot be fed by SGLang or vLLM to a {n_layers}-layer policy: "
                           f"they capture the state entering a decoder layer, so only distinct ascending outputs of "
                           f"layers 0..{n_layers - 2} (not the last layer's); train with such taps to export")
-    eagle_config = {"use_aux_hidden_state": True}
-    if engine == VLLM:
-        return {IDS_KEY: [t + 1 for t in taps], "eagle_config": eagle_config}
-    if engine == SGLANG:
-        return {"eagle_config": {**eagle_config, IDS_KEY: taps}}
-    if engine != BOTH_ENGINES:
+    if engine not in ENGINES:
         raise ValueError(f"engine: '{engine}' is not one of {ENGINES}")
-    if taps != engine_default_taps(n_layers):
-        raise ConfigError(f"draft.tap_layers: {taps} are not the layers SGLang and vLLM feed by default to a "
-                          f"{n_layers}-layer policy ({engine_default_taps(n_layers)}), and the two engines number "
-                          f"explicit ids differently; export with --engine vllm or --engine sglang")
-    return {"eagle_config": eagle_config}
+    vllm_ids = {IDS_KEY: [t + 1 for t in taps]} if engine in (VLLM, BOTH_ENGINES) else {}
+    sglang_ids = {IDS_KEY: taps} if engine in (SGLANG, BOTH_ENGINES) else {}
+    return {**vllm_ids, "eagle_config": {"use_aux_hidden_state": True, **sglang_ids}}
 
 
 def taps_in_config(config: dict, n_layers: int) -> tuple[list[int], str]:
@@ -156,8 +151,8 @@ def engine_config(draft, ids: dict, dtype: torch.dtype) -> dict:
 
 def export_draft(draft, tap_layers: list[int], output: str, *, n_layers: int, engine: str = BOTH_ENGINES,
                  embed_tokens: torch.Tensor | None = None) -> None:
-    """Write `output` (config.json + model.safetensors) atomically for `engine` ("vllm", "sglang", or
-    "both" when the taps are the engines' default); n_layers: the policy's. A collective on sharded drafts."""
+    """Write `output` (config.json + model.safetensors) atomically for `engine` ("vllm", "sglang" or
+    "both"); n_layers: the policy's. A collective on sharded drafts."""
     from safetensors.torch import save_file
 
     ids = tap_layer_ids(tap_layers, n_layers, engine)  # checks first, before any collective

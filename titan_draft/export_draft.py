@@ -5,8 +5,8 @@
 DIR is a checkpoint step folder (`.../checkpoint/step-N`) or the checkpoint folder itself (then its
 latest complete step); it must hold a warmed-up draft (the draft warm-up or RL has run). The job config
 gives the model shapes and tap layers, as for training. --engine: the two engines number the tap
-layers differently (titan_draft/eagle3.py); "both" (default) serves either engine when the taps are
-their default set (1, L//2-1, L-4), other taps need the engine named.
+layers differently and read them from different keys (titan_draft/eagle3.py); "both" (default) writes
+each engine's numbering under its own key, "vllm" or "sglang" only that engine's.
 """
 import argparse
 import os
@@ -57,13 +57,17 @@ def check_draft_trained(folder: str) -> None:
                           f"resume the job until the warm-up ends")
 
 
-def main(argv: list[str]) -> None:
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The exporter's own arguments, and the job config arguments that follow them."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--output", required=True)
     parser.add_argument("--engine", choices=ENGINES, default=BOTH_ENGINES)
-    known, job_args = parser.parse_known_args(argv)
+    return parser.parse_known_args(argv)
 
+
+def main(argv: list[str]) -> None:
+    known, job_args = parse_args(argv)
     cfg = parse_config(job_args)
     folder = checkpoint_step_folder(known.checkpoint)
     check_draft_trained(folder)

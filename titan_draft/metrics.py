@@ -13,6 +13,9 @@ import torch
 # Wall-clock measurements: the only metrics that may differ between two runs with one seed.
 TIMING_KEYS = frozenset({"rollout_time_s", "rollout_weights_s", "rollout_measure_s", "rollout_prefill_s",
                          "rollout_decode_s", "rollout_tokens_per_s", "train_time_s", "draft_time_s"})
+# In metrics.jsonl and TensorBoard, not on the console line, whose one acceptance figure is
+# spec_acceptance_length, the one vLLM and NeMo RL users know (docs/DESIGN.md 4.3 defines both).
+FILE_ONLY_KEYS = frozenset({"tokens_per_verify_forward"})
 
 
 class MetricsLogger:
@@ -49,7 +52,7 @@ class MetricsLogger:
         if echo:
             from tqdm import tqdm
 
-            shown = "  ".join(f"{k} {_short(v)}" for k, v in values.items())
+            shown = "  ".join(f"{k} {_short(v)}" for k, v in values.items() if k not in FILE_ONLY_KEYS)
             tqdm.write(f"[{phase} {step:>4}] {shown}")  # above any progress bar, not through it
             sys.stdout.flush()
 

@@ -110,7 +110,7 @@ def collect_rollouts(s: RLState) -> Rollouts:
     if ro.release_caches:  # the training phase gets their memory
         s.engine.release_caches()
     return Rollouts(prompts, result.tokens.cpu(), result.prompt_lengths.cpu(), lengths, {
-        "acceptance_length": result.acceptance_length,
+        "tokens_per_verify_forward": result.acceptance_length,  # docs/DESIGN.md 4.3
         "rollout_tokens_per_s": result.tokens_per_s,
         "rollout_time_s": time.perf_counter() - t0,
         # Where the rollout time went: the weight refresh, adaptive K's step measurement (the first

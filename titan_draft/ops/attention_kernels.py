@@ -557,14 +557,13 @@ def _flash_attn_backward(dout, q, k, v, out, lse, varlen: Varlen, scale):
 
 
 class _CudnnSplit(NamedTuple):
-    groups: list
+    # The cuDNN groups, and rest_written: every query (key) row is in a cuDNN group or a short
+    # document, none in a document without keys (queries): results start uninitialized, no zero fill.
+    layout: cudnn_attention.Layout
     short_q: torch.Tensor | None  # rows of the short documents, and their own Varlen
     short_k: torch.Tensor | None
     short_varlen: Varlen | None
     flash: str | None
-    # (query rows, key rows): every row is in a cuDNN group or a short document, none is in a
-    # document without keys (or queries): results start uninitialized, with no zero fill.
-    all_rows_written: tuple[bool, bool]
 
 
 def _split_for_cudnn(q, k, varlen: Varlen) -> _CudnnSplit:
@@ -603,8 +602,9 @@ def _cached_split(bounds_q, bounds_k, causal, min_length, max_batch_rows, tokens
     with_keys = [(q1 - q0, k1 - k0) for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:])
                  if q1 > q0 and k1 > k0]
     all_rows_written = (sum(n for n, _ in with_keys) == tokens[0], sum(n for _, n in with_keys) == tokens[1])
+    layout = cudnn_attention.Layout(groups, all_rows_written)
     if not groups or not short:  # all documents to one kernel: nothing to gather
-        return _CudnnSplit(groups, None, None, None, flash, all_rows_written)
+        return _CudnnSplit(layout, None, None, None, flash)
 
     def rows_and_bounds(spans):
         starts, lengths = (torch.tensor(x) for x in zip(*spans))
@@ -616,16 +616,14 @@ def _cached_split(bounds_q, bounds_k, causal, min_length, max_batch_rows, tokens
 
     short_q, cu_q, max_q = rows_and_bounds([(q0, q1) for q0, q1, _, _ in short])
     short_k, cu_k, max_k = rows_and_bounds([(k0, k1) for _, _, k0, k1 in short])
-    return _CudnnSplit(groups, short_q, short_k, Varlen(cu_q, cu_k, max_q, max_k, causal), flash,
-                       all_rows_written)
+    return _CudnnSplit(layout, short_q, short_k, Varlen(cu_q, cu_k, max_q, max_k, causal), flash)
 
 
 def _cudnn_forward(q, k, v, varlen: Varlen, scale):
     split = _split_for_cudnn(q, k, varlen)
-    if not split.groups:
+    if not split.layout.groups:
         return _FORWARD[split.flash](q, k, v, varlen, scale)
-    out, lse = cudnn_attention.forward(q, k, v, split.groups, scale=scale, lse_dtype=_compute_dtype(q.dtype),
-                                       rest_written=split.all_rows_written[0])
+    out, lse = cudnn_attention.forward(q, k, v, split.layout, scale=scale, lse_dtype=_compute_dtype(q.dtype))
     if split.short_varlen is not None:
         short_out, short_lse = _FORWARD[split.flash](
             q.index_select(0, split.short_q), k.index_select(0, split.short_k),
@@ -637,15 +635,14 @@ def _cudnn_forward(q, k, v, varlen: Varlen, scale):
 
 def _cudnn_backward(dout, q, k, v, out, lse, varlen: Varlen, scale):
     split = _split_for_cudnn(q, k, varlen)
-    if not split.groups:
+    if not split.layout.groups:
         return _BACKWARD[split.flash](dout, q, k, v, out, lse, varlen, scale)
     dout, q, k, v = (x.contiguous() for x in (dout.to(q.dtype), q, k, v))
     out = out.to(q.dtype).contiguous()
     # p = 0 in rows that saw no key: -inf -> +inf, in one kernel (NaN kept as it is). A causal
     # row always sees a key, its own: nothing to do there.
     keyless_as_inf = lse if varlen.causal else torch.nan_to_num(lse, nan=math.nan, posinf=_INF, neginf=_INF)
-    dq, dk, dv = cudnn_attention.backward(dout, q, k, v, out, keyless_as_inf, split.groups, scale=scale,
-                                          rest_written=split.all_rows_written)
+    dq, dk, dv = cudnn_attention.backward(dout, q, k, v, out, keyless_as_inf, split.layout, scale=scale)
     if split.short_varlen is not None:
         rows_q, rows_k = split.short_q, split.short_k
         short = _BACKWARD[split.flash](

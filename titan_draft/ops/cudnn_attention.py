@@ -21,6 +21,7 @@ The backward is cuDNN's own, called with the FINAL out and lse of a larger atten
 branch merged), which is what makes per-block gradients exact (DESIGN.md section 3).
 Layouts: q/out/dq [T, Hq, D]; k/v [T, Hkv, D] (GQA native); lse [Hq, T] float32.
 """
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -55,6 +56,15 @@ class Group(NamedTuple):
     keep_k: torch.Tensor | None
     dest_k: torch.Tensor | None
     pad_q: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A block's documents on cuDNN: `groups` (split_documents), and whether the caller writes the
+    rows in no group itself, (query rows, key rows): then those results start unfilled."""
+
+    groups: list[Group]
+    rest_written: tuple[bool, bool] = (False, False)
 
 
 def to_device(x: torch.Tensor, device) -> torch.Tensor:
@@ -173,10 +183,11 @@ def _start(shape, *, dtype, device, fill: float, rest_written: bool) -> torch.Te
     return torch.full(shape, fill, dtype=dtype, device=device)
 
 
-def forward(q, k, v, groups: list[Group], *, scale: float, lse_dtype, rest_written: bool = False):
-    """(out [T, Hq, D], lse [Hq, T]) of the groups' documents; rows in no group get out = 0 and
-    lse = -inf, unless rest_written (the caller writes them: nothing is filled)."""
+def forward(q, k, v, layout: Layout, *, scale: float, lse_dtype):
+    """(out [T, Hq, D], lse [Hq, T]) of the layout's documents; rows in no group get out = 0 and
+    lse = -inf, unless the layout says the caller writes them (then nothing is filled)."""
     tokens, heads = q.shape[:2]
+    groups, rest_written = layout.groups, layout.rest_written[0]
     out = lse = None
     if not (len(groups) == 1 and _covers(groups[0], tokens)):
         out = _start(q.shape, dtype=q.dtype, device=q.device, fill=0.0, rest_written=rest_written)
@@ -194,15 +205,15 @@ def forward(q, k, v, groups: list[Group], *, scale: float, lse_dtype, rest_writt
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, groups: list[Group], *, scale: float,
-             rest_written: tuple[bool, bool] = (False, False)):
-    """(dq, dk, dv) of the groups' documents given the FINAL out/lse (zero elsewhere, unless
-    rest_written[0] for dq's rows in no group, rest_written[1] for dk/dv's: the caller writes
-    them). lse [Hq, T] must already use +inf for rows that saw no key (cuDNN then gives them p = 0)."""
+def backward(dout, q, k, v, out, lse, layout: Layout, *, scale: float):
+    """(dq, dk, dv) of the layout's documents given the FINAL out/lse (zero in rows in no group,
+    unless the layout says the caller writes them: dq's rows, dk/dv's rows). lse [Hq, T] must
+    already use +inf for rows that saw no key (cuDNN then gives them p = 0)."""
+    groups, (q_written, k_written) = layout.groups, layout.rest_written
     whole = len(groups) == 1 and _covers(groups[0], q.shape[0]) and q.shape[0] == k.shape[0]
     if not whole:
         dq, dk, dv = (_start(x.shape, dtype=x.dtype, device=x.device, fill=0.0, rest_written=written)
-                      for x, written in ((q, rest_written[0]), (k, rest_written[1]), (v, rest_written[1])))
+                      for x, written in ((q, q_written), (k, k_written), (v, k_written)))
     for group in groups:
         if group.start is None:
             group_lse = lse.index_select(1, group.q_rows)
