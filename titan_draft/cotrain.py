@@ -46,7 +46,7 @@ def draft_loss(draft: EagleDraft, features: "DraftFeatures", spec: CoTrainSpec, 
     states = draft.ttt_forward(features.emb.detach(), features.taps.detach(), batch.positions, spec.ttt_steps,
                                shift, batch.draft_attention)
     total, _, stats = ttt_loss(draft, states, features.teacher, batch.loss_mask, shift, spec.pass_decay)
-    per_pass = torch.stack([torch.stack(s) for s in stats]).float()
+    per_pass = torch.stack([torch.stack(s) for s in stats]).double()  # exact counts; sums over micro-batches
     return total * scale / count.clamp(min=1), per_pass
 
 
@@ -78,7 +78,7 @@ def draft_backward(draft: EagleDraft, features: DraftFeatures, spec: CoTrainSpec
     detached loss (the sum over micro-batches) and the per-pass sums of these rows. group: the ranks that
     must run as many micro-batches (packing.microbatch_ranges)."""
     total = torch.zeros((), device=features.emb.device)
-    per_pass = torch.zeros(spec.ttt_steps, 3, device=features.emb.device)
+    per_pass = torch.zeros(spec.ttt_steps, 3, dtype=torch.float64, device=features.emb.device)
     lengths = document_lengths(features.batch)
     for index in microbatch_ranges(lengths, max_tokens, group=group):
         with torch.set_grad_enabled(train):

@@ -75,7 +75,7 @@ def warm_start_run(job: Job, stream: str) -> WarmStartRun:
 def warm_start(job: Job, draft_opt: DraftOptimizer, checkpoint: JobCheckpoint | None = None,
                resume_phase: int = NOT_STARTED) -> None:
     """SFT, then the draft's vocabulary and warm-up, each skipped when `resume_phase` has it; saved at their ends."""
-    cfg, metrics = job.cfg, job.metrics
+    cfg = job.cfg
     if resume_phase < SFT_DONE:
         sft_policy(job.policy, job.task, cfg.rl, cfg.lr_scheduler, warm_start_run(job, "data"))
         if checkpoint is not None:

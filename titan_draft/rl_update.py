@@ -49,11 +49,19 @@ def needs_reference(rl_cfg) -> bool:
     return rl_cfg.kl_coef > 0 or rl_cfg.kl_to_start_metric
 
 
+def reference_dtype(cfg, device, param_dtype: torch.dtype) -> torch.dtype:
+    """The reference's parameters: the mixed-precision compute dtype where training forwards run in one
+    (bf16 on GPU: the reference only runs forwards), else the policy's own (its forwards then match the
+    policy's exactly)."""
+    dtype = compute_dtype(cfg.training.mixed_precision_param, device)
+    return param_dtype if dtype == torch.float32 else dtype
+
+
 def reference_policy(policy: nn.Module, job) -> nn.Module:
     """A frozen copy of the policy in the compute dtype (bf16 on GPU: it only runs forwards), laid out
     as the policy (FSDP modules cannot be deep-copied: the same layout, then the sharded state)."""
     cfg, dims = job.cfg, job.dims
-    dtype = compute_dtype(cfg.training.mixed_precision_param, job.device)
+    dtype = reference_dtype(cfg, job.device, next(policy.parameters()).dtype)
     if dims is None:
         reference = cast_parameters(copy.deepcopy(policy), dtype)
     else:
@@ -94,7 +102,7 @@ class WholePolicy:
             policy_sums += sums
             drawn.append(features)
 
-        per_pass, total = torch.zeros(0, 3, device=device), torch.zeros((), device=device)
+        per_pass, total = torch.zeros(0, 3, dtype=torch.float64, device=device), torch.zeros((), device=device)
         if mode != "none":
             with self.draft_timer():
                 pairs = sum_over_dp(valid_pairs(whole.loss_mask, whole.shift(self.spec.ttt_steps),

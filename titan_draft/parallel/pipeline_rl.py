@@ -27,8 +27,8 @@ from titan_draft import _compat
 from titan_draft.io import full_state_dict
 from titan_draft.models.policy import cast_parameters, job_model_args, policy_from_args
 from titan_draft.parallel.context_parallel import apply_context_parallel
-from titan_draft.parallel.parallelize import (apply_activation_checkpointing, compute_dtype, cp_mesh, loss_group,
-                                              loss_scale, parallelize_policy)
+from titan_draft.parallel.parallelize import (apply_activation_checkpointing, cp_mesh, loss_group, loss_scale,
+                                              parallelize_policy)
 from titan_draft.parallel.pipeline import (
     GRPOLoss,
     NextTokenLogprobs,
@@ -39,7 +39,7 @@ from titan_draft.parallel.pipeline import (
     last_stage_pp_rank,
     split_policy,
 )
-from titan_draft.rl_update import needs_reference, policy_optimizer
+from titan_draft.rl_update import needs_reference, policy_optimizer, reference_dtype
 from titan_draft.step import RolloutBatch, StepSums
 from titan_draft.timing import DeviceTimer
 from torchtitan.components.checkpoint import ModelWrapper
@@ -99,8 +99,8 @@ class PipelinedPolicy:
         self.skeleton = policy_from_args(job_model_args(cfg), device="meta")
         self.parts = self._split(weights, checkpointed=True)
         self.reference_parts = [] if not needs_reference(cfg.rl) else \
-            [part.requires_grad_(False) for part in self._split(weights, compute_dtype(
-                cfg.training.mixed_precision_param, _compat.device()))]
+            [part.requires_grad_(False) for part in self._split(weights, reference_dtype(
+                cfg, _compat.device(), next(job.policy.parameters()).dtype))]
         self.optimizer = policy_optimizer(self.parts, cfg.rl)
         # The draft's forward and backward run inside the schedule, between the policy's: this times
         # only train_step's draft optimizer step.
