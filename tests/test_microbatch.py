@@ -4,6 +4,7 @@ gradients and metrics in float64; the GRPO loss is normalised by the step's resp
 value); the real-size presets pass the config checks and build (on the meta device)."""
 import copy
 import os
+import sys
 
 import pytest
 import torch
@@ -14,8 +15,11 @@ from titan_draft.job import build_job
 from titan_draft.metrics import TIMING_KEYS, MetricsLogger
 from titan_draft.models.policy import job_model_args, policy_from_args
 from titan_draft.packing import microbatch_ranges
-from titan_draft.train import RLState, Rollouts, train_step
+from titan_draft.train import RLState, train_step
 from titan_draft.warmstart import WarmStartRun, draft_vocab_from_data, next_token_loss_backward, sft_batch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_parallel_compose import fixed_rollouts  # noqa: E402  (the same fixed rollouts as the layouts' test)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIG = os.path.join(ROOT, "train_configs", "sort_tiny_cpu.toml")
@@ -31,20 +35,6 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(torch.float32)
-
-
-def rollouts(cfg, task) -> Rollouts:
-    """Fixed rollouts: right answers and random letters of random lengths (mixed rewards)."""
-    g = torch.Generator().manual_seed(11)
-    n = cfg.rl.prompts_per_step * cfg.rl.group_size
-    prompts = task.sample_prompts(cfg.rl.prompts_per_step, g).repeat_interleave(cfg.rl.group_size)
-    rows = torch.stack(prompts.ids)
-    answers = task.answers(rows)
-    noise = torch.randint(4, 4 + cfg.task.alphabet_size, answers.shape, generator=g)
-    right = torch.arange(n) % 2 == 0
-    responses = torch.where(right[:, None], answers, noise)
-    lengths = torch.where(right, task.answer_len, torch.randint(2, task.answer_len + 1, (n,), generator=g))
-    return Rollouts(prompts, torch.cat([rows, responses], 1), prompts.lengths(), lengths, {}, torch.zeros(0))
 
 
 def step(*overrides, mode="cotrain"):
@@ -64,7 +54,7 @@ def step(*overrides, mode="cotrain"):
 
     state.policy.optimizer.register_step_pre_hook(capture("policy.", state.policy.parts[0]))
     state.draft_opt.optimizer.register_step_pre_hook(capture("draft.", job.draft))
-    r = rollouts(cfg, job.task)
+    r = fixed_rollouts(cfg, job.task)
     metrics = train_step(state, r)
     return {k: v for k, v in metrics.items() if k not in TIMING_KEYS}, grads, r, state
 

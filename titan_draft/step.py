@@ -64,6 +64,14 @@ class StepSums:
     draft_loss: torch.Tensor  # the draft's loss (summed over the ranks that hold rows): skip its update if not finite
     has_reference: bool = True  # whether log p_ref was computed (else kl_to_start is not reported)
 
+    def flat(self) -> torch.Tensor:
+        """float64 [policy (5), draft (D x 3), draft_loss]: the sums as one tensor, for one all-reduce."""
+        return torch.cat([self.policy.double(), self.draft.double().flatten(), self.draft_loss.double().reshape(1)])
+
+    @classmethod
+    def from_flat(cls, flat: torch.Tensor, passes: int, has_reference: bool) -> "StepSums":
+        return cls(flat[:5], flat[5:5 + 3 * passes].view(passes, 3), flat[-1], has_reference)
+
     def policy_metrics(self) -> dict[str, float]:
         loss, entropy, kl, clipped, rows = self.policy.tolist()
         metrics = {"policy_loss": loss, "entropy": entropy / rows, "clip_frac": clipped / rows}

@@ -36,8 +36,8 @@ from torchtitan.distributed.pipeline_parallel import (
 from torchtitan.models.attention import VarlenMetadata
 
 from titan_draft.grpo import grpo_objective, next_token_logprobs
-from titan_draft.cotrain import CoTrainSpec
-from titan_draft.models.draft import EagleDraft, Teacher, ttt_loss
+from titan_draft.cotrain import CoTrainSpec, DraftFeatures, draft_loss, valid_pairs
+from titan_draft.models.draft import EagleDraft, Teacher
 from titan_draft.models.policy import TapRecorder
 from titan_draft.ops import branch_attention
 from titan_draft.ops.linear_logprobs import logits_token_outputs
@@ -125,13 +125,36 @@ class RowLayout:
         return cp_branch_attention(q, k, v, branch_k, branch_v, cu_seqlens=self.cu_seqlens,
                                    cp=CpGroup(self.cp_mesh, self.cp_mode), scale=scale)
 
+    def batch(self, trained: torch.Tensor) -> "RowBatch":
+        """A microbatch's local rows, trained where `trained` [rows, local_len] is set, as the draft's loss
+        reads a batch (cotrain.draft_loss: positions, loss_mask, shift, draft_attention)."""
+        return RowBatch(self, trained.flatten())
+
+
+@dataclass
+class RowBatch:
+    """RowLayout's rows of one microbatch with PackedBatch's surface for the draft's loss."""
+
+    layout: RowLayout
+    loss_mask: torch.Tensor
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.layout.positions.flatten()
+
+    def shift(self, max_shift: int):
+        return self.layout.shift
+
+    def draft_attention(self, q, k, v, branch_k=None, branch_v=None, scale=None):
+        return self.layout.attention(q, k, v, branch_k, branch_v, scale)
+
 
 def target_counts(trained: torch.Tensor, ttt_steps: int, group: dist.ProcessGroup | None = None):
     """(trained tokens, valid draft (anchor, pass) pairs) of a [B, S] bool mask of whole rows, summed
     over `group`. Pass d at anchor i is trained on row i + d of the same document when that row is trained.
     """
-    pairs = sum(trained[:, d:].sum() for d in range(1, ttt_steps + 1))
-    counts = torch.stack([trained.sum(), pairs]).float()
+    shift = DocumentShift(row_documents(*trained.shape, trained.device).cu_seq_q)
+    counts = torch.stack([trained.sum().float(), valid_pairs(trained.flatten(), shift, ttt_steps)])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)
     return counts[0], counts[1]
@@ -258,16 +281,13 @@ class CoTrainLoss:
         return self.grad_scale * (policy + self.spec.loss_weight * draft)
 
     def _draft_loss(self, features: torch.Tensor, logits: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
-        layout = self.layout
+        """cotrain.draft_loss on this microbatch's rows, normalised by the step's pairs (begin_step)."""
         dim = self.draft.args.dim
-        emb, taps = features[:, :dim], features[:, dim:]
-        states = self.draft.ttt_forward(emb, taps, layout.positions.flatten(), self.spec.ttt_steps, layout.shift,
-                                        layout.attention)
-        teacher = Teacher.from_logits(logits.flatten(0, 1), self.draft.target_ids())
-        total, _, stats = ttt_loss(self.draft, states, teacher, trained.flatten(), layout.shift, self.spec.pass_decay)
-        draft = total / self.draft_count
+        rows = DraftFeatures(self.layout.batch(trained), features[:, :dim], features[:, dim:],
+                             Teacher.from_logits(logits.flatten(0, 1), self.draft.target_ids()))
+        draft, per_pass = draft_loss(self.draft, rows, self.spec, count=self.draft_count)
         self.draft_sum += draft.detach()
-        self.draft_stats = self.draft_stats + torch.stack([torch.stack(s) for s in stats]).float()
+        self.draft_stats = self.draft_stats + per_pass
         return draft
 
 

@@ -27,8 +27,8 @@ from titan_draft import _compat
 from titan_draft.io import full_state_dict
 from titan_draft.models.policy import cast_parameters, job_model_args, policy_from_args
 from titan_draft.parallel.context_parallel import apply_context_parallel
-from titan_draft.parallel.parallelize import (apply_activation_checkpointing, cp_mesh, loss_group, loss_scale,
-                                              parallelize_policy)
+from titan_draft.parallel.parallelize import (apply_activation_checkpointing, cp_mesh, loss_scale,
+                                              parallelize_policy, sum_over_dp)
 from titan_draft.parallel.pipeline import (
     GRPOLoss,
     NextTokenLogprobs,
@@ -174,20 +174,18 @@ class PipelinedPolicy:
 
         # The last stage holds the sums: over dp x cp there, then to every pp rank (zeros elsewhere).
         passes = self.spec.ttt_steps if self.cfg.draft.mode != "none" else 0
-        numbers = torch.zeros(5 + 3 * passes + 1, dtype=torch.float64, device=device)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        sums = StepSums(zero.new_zeros(5), zero.new_zeros(passes, 3), zero, bool(self.reference_parts))
         if self.holds_draft:
             loss = train.loss
-            numbers[:4] = loss.policy_stats.double()
+            sums.policy[:4] = loss.policy_stats
             if passes:
-                numbers[5:5 + 3 * passes] = loss.draft_stats.double().flatten()
-                numbers[-1] = torch.as_tensor(loss.draft_sum, dtype=torch.float64, device=device)
-            group = loss_group(self.dims)
-            if group is not None:
-                dist.all_reduce(numbers, group=group)
-            numbers[4] = loss.policy_count.double()  # already global
-        dist.all_reduce(numbers, group=self.pp_mesh.get_group())
-        return StepSums(numbers[:5], numbers[5:5 + 3 * passes].view(passes, 3), numbers[-1],
-                        has_reference=bool(self.reference_parts))
+                sums.draft, sums.draft_loss = loss.draft_stats, torch.as_tensor(loss.draft_sum, device=device)
+            sums = StepSums.from_flat(sum_over_dp(sums.flat(), self.dims, "loss"), passes, sums.has_reference)
+            sums.policy[4] = loss.policy_count  # already global
+        flat = sums.flat()
+        dist.all_reduce(flat, group=self.pp_mesh.get_group())
+        return StepSums.from_flat(flat, passes, sums.has_reference)
 
     def rollout_weights(self, with_draft: bool):
         """(policy, draft or None) for RolloutEngine.load_weights: the whole policy gathered from every
