@@ -4,8 +4,8 @@ The policy forward that computes the policy's loss also records the taps; the dr
 those detached features with the policy's detached logits as teacher (docs/DESIGN.md section 2).
 The draft owns its optimizer, learning rate and gradient clip, so nothing it does reaches the
 policy's update. The whole-batch layouts (one process, FSDP/TP/CP) and the warm-up collect the
-draft's rows as DraftFeatures and run `draft_backward` (micro-batched `draft_loss`); pipeline stages
-call `ttt_loss` per microbatch. All step through one DraftOptimizer.
+draft's rows as DraftFeatures and run `draft_backward` (micro-batched `draft_loss`); the pipeline's
+last stage calls `draft_loss` per microbatch. All step through one DraftOptimizer.
 """
 import copy
 import math

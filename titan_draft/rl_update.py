@@ -58,8 +58,8 @@ def reference_dtype(cfg, device, param_dtype: torch.dtype) -> torch.dtype:
 
 
 def reference_policy(policy: nn.Module, job) -> nn.Module:
-    """A frozen copy of the policy in the compute dtype (bf16 on GPU: it only runs forwards), laid out
-    as the policy (FSDP modules cannot be deep-copied: the same layout, then the sharded state)."""
+    """A frozen copy of the policy in reference_dtype, laid out as the policy (FSDP modules cannot be
+    deep-copied: the same layout, then the sharded state)."""
     cfg, dims = job.cfg, job.dims
     dtype = reference_dtype(cfg, job.device, next(policy.parameters()).dtype)
     if dims is None:
@@ -95,19 +95,19 @@ class WholePolicy:
         whole = rollouts.packed()
         # The step's normalisers, over every micro-batch and rank, before any forward.
         num_tokens = sum_over_dp(whole.loss_mask.sum().float().to(device), self.dims)
-        policy_sums, drawn = torch.zeros(4, dtype=torch.float64, device=device), []
+        policy_sums, draft_pieces = torch.zeros(4, dtype=torch.float64, device=device), []
         for documents in microbatch_ranges(rollouts.lengths.tolist(), rl.max_tokens_per_microbatch,
                                            group=batch_group(self.dims)):
-            sums, features = self._policy_backward(rollouts.select(documents), num_tokens)
+            sums, piece = self._policy_backward(rollouts.select(documents), num_tokens)
             policy_sums += sums
-            drawn.append(features)
+            draft_pieces.append(piece)
 
         per_pass, total = torch.zeros(0, 3, dtype=torch.float64, device=device), torch.zeros((), device=device)
         if mode != "none":
             with self.draft_timer():
                 pairs = sum_over_dp(valid_pairs(whole.loss_mask, whole.shift(self.spec.ttt_steps),
                                                 self.spec.ttt_steps).to(device), self.dims)
-                features = self._draft_features(rollouts, drawn)
+                features = self._draft_features(rollouts, draft_pieces)
                 total, per_pass = draft_backward(
                     self.draft, features, self.spec, count=pairs,
                     scale=len(rollouts.tokens) / len(rollouts.drafted()), max_tokens=rl.max_tokens_per_microbatch,
