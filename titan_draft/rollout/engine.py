@@ -69,6 +69,7 @@ from titan_draft.models.draft import DraftArgs, EagleDraft
 from titan_draft.models.families import family_of_args
 from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, probs_from_logits, sample,
                                          speculative_accept)
+from titan_draft.rollout.weights import copy_weights
 
 # A decode-step shape runs eagerly this many times before it is captured as a CUDA graph.
 CAPTURE_AFTER = 3
@@ -87,9 +88,6 @@ MEASURED_STEPS = 3
 FOLDED_MIN_ROW_HEADS = 128
 # Multi-query cached attention: the memory-efficient kernel (math where it does not run: float64).
 _MULTI_QUERY_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-# Wrapper prefixes that checkpointing and torch.compile add to parameter names.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
 @dataclass
@@ -237,32 +235,6 @@ class StepShape:
     """A K = 0 step keeps its taps for the draft's trunk (adaptive K)."""
     width: int
     """Cache slots its attention reads (RolloutEngine._cache_width)."""
-
-
-def _copy_weights(src: nn.Module, dst: nn.Module, what: str) -> None:
-    """dst <- src by parameter name; sharded (DTensor) tensors are gathered (a collective: call on
-    every rank of the mesh)."""
-    from torch.distributed.tensor import DTensor
-
-    dst_state = dst.state_dict()
-    loaded = set()
-    for name, tensor in src.state_dict().items():
-        for prefix in _WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
-        if name not in dst_state:
-            raise ValueError(f"load_weights: {what} has '{name}', which the engine's {what} lacks; "
-                             f"build the engine with the same model args as the trained {what}")
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        if tensor.shape != dst_state[name].shape:
-            raise ValueError(f"load_weights: {what} '{name}' is {tuple(tensor.shape)} but the engine's is "
-                             f"{tuple(dst_state[name].shape)}; build the engine with the trained {what}'s args")
-        dst_state[name].copy_(tensor)
-        loaded.add(name)
-    missing = sorted(set(dst_state) - loaded)
-    if missing:
-        raise ValueError(f"load_weights: the trained {what} lacks {missing[:3]}...; build the engine "
-                         f"with the same model args as the trained {what}")
 
 
 @contextmanager
@@ -482,12 +454,12 @@ class RolloutEngine:
     def load_weights(self, policy: nn.Module, draft: nn.Module | None = None) -> None:
         """Refresh the inference copies from trained modules (plain, FSDP2/DTensor-sharded,
         activation-checkpointed or compiled)."""
-        _copy_weights(policy, self.policy, "policy")
+        copy_weights(policy, self.policy, "policy")
         if draft is not None:
             if self.draft is None:
                 raise ValueError("load_weights: a draft was given but the engine was built without "
                                  "draft_args; build it with the draft's args")
-            _copy_weights(draft, self.draft, "draft")
+            copy_weights(draft, self.draft, "draft")
             if self._target_ids is None:
                 self._target_ids = self.draft.target_ids()
             else:  # in place: captured steps read it
