@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from bench._common import REPO_ROOT, device_tag, environment, median_time, write_json
-from titan_draft.rollout.engine import CapturedCall, _attend
+from titan_draft.rollout.engine import _attend
+from titan_draft.rollout.graphs import CapturedCall
 
 REPLAYS = 10  # graph replays per timed call: sub-millisecond calls, timed between device syncs
 

@@ -69,10 +69,9 @@ from titan_draft.models.draft import DraftArgs, EagleDraft
 from titan_draft.models.families import family_of_args
 from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, probs_from_logits, sample,
                                          speculative_accept)
+from titan_draft.rollout.graphs import StepGraphs
 from titan_draft.rollout.weights import copy_weights
 
-# A decode-step shape runs eagerly this many times before it is captured as a CUDA graph.
-CAPTURE_AFTER = 3
 # Counters at the head of the engine's status vector (running, verify rows, emitted, longest).
 STATUS_COUNTS = 4
 # The state buffers' cache slots are a multiple of this (RolloutEngine._reserve): calls of similar
@@ -279,35 +278,6 @@ def _attend_folded(q, k_cache, v_cache, mask, scale=None):
     return out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, Hq, D)
 
 
-class CapturedCall:
-    """fn() (no arguments, no outputs: it works on tensors it holds) as a CUDA graph.
-
-    The first call runs fn eagerly on a side stream, as a real call, so that lazy initialisation
-    (cuBLAS handles, allocator growth) happens outside capture; then fn is captured. Every later
-    call replays the graph. Random numbers come from `generator`, registered with the graph so
-    that every replay draws fresh ones. Tensors fn allocates live in `pool` and must not outlive
-    the call (graphs sharing a pool may then replay in any order).
-    """
-
-    def __init__(self, fn, generator: torch.Generator, pool):
-        self.fn, self.generator, self.pool, self.graph = fn, generator, pool, None
-
-    def __call__(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
-            return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        graph.register_generator_state(self.generator)
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.fn()
-        self.graph = graph
-
-
 @dataclass(frozen=True)
 class EngineOptions:
     """A RolloutEngine's draft capacity and speed switches (the defaults suit training rollouts).
@@ -366,11 +336,7 @@ class RolloutEngine:
         self._num_staged = torch.zeros((), dtype=torch.long, device=self.device)  # columns of _staged_taps in use
         # Every random draw of generate() comes from this generator, seeded from the caller's.
         self._rng = torch.Generator(self.device)
-        self.cuda_graphs = options.cuda_graphs and self.device.type == "cuda"
-        self._steps: dict[object, object] = {}
-        self._uses: dict[object, int] = {}
-        self._unreplayed = 0  # _run calls of the current generate() that were not graph replays
-        self._graph_pool = None  # the captured steps' private memory pool (taken at the first capture)
+        self.graphs = StepGraphs(options.cuda_graphs and self.device.type == "cuda", self._rng)
         self.controller = GoodputController(self.max_k)
         self._measured: set[tuple] = set()  # (rows, K, temperature, top_p) of adaptive calls measured
         self.buffer_rows = self.slots = 0  # the state buffers' rows and cache slots (none yet)
@@ -383,6 +349,11 @@ class RolloutEngine:
             self._draft_extend = torch.compile(self._cached_draft_extend, dynamic=False)
             self._draft_pass = torch.compile(self._cached_draft_pass, dynamic=False)
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether prefill and decode steps replay as CUDA graphs (options.cuda_graphs, on CUDA)."""
+        return self.graphs.enabled
+
     # --- state buffers -------------------------------------------------------------------------------
     def _reserve(self, rows: int, slots: int) -> None:
         """State buffers that hold `rows` rows of `slots` cache slots: the current ones when they do.
@@ -390,8 +361,8 @@ class RolloutEngine:
         of each, the slots rounded up to SLOT_ROUNDING (within max_slots), so that calls of similar
         sizes, or alternating ones, settle on one set; the captured steps, which read the old
         buffers' addresses, go with them (release_caches).
-        Kept across new buffers: `_uses` (a shape already used CAPTURE_AFTER times is captured
-        again at its next use, not run eagerly first), `_measured` and the controller's costs. The
+        Kept across new buffers: the graphs' use counts (StepGraphs), `_measured` and the
+        controller's costs. The
         costs, seconds per (bucket, K) step, stay valid: a step's work depends on its rows, K and
         the width its attention reads, not on where the buffers live, and that width follows the
         longest row (the smallest halving of the slots that holds it: under twice its length for
@@ -430,8 +401,7 @@ class RolloutEngine:
         self.k_cache, self.v_cache = [], []
         self._tokens = self._lengths = self._limit = self._done = self._row_of_slot = None
         self.draft_k = self.draft_v = self._hidden = self._staged_taps = None
-        self._steps.clear()  # the graphs, and with the last of them the pool's claim on its memory
-        self._graph_pool = None  # a pool whose graphs are gone cannot take new captures: a new one
+        self.graphs.clear()
         self.buffer_rows = self.slots = 0
 
     @property
@@ -632,32 +602,6 @@ class RolloutEngine:
             raise ValueError("load_weights(policy, draft) must run before speculative generation")
         check_sampling_args(temperature, top_p)
 
-    def captured(self, fn):
-        """fn (no arguments, no outputs) as a CapturedCall on CUDA with cuda_graphs, else fn itself."""
-        if not self.cuda_graphs:
-            return fn
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        return CapturedCall(fn, self._rng, self._graph_pool)
-
-    def _run(self, key, fn) -> bool:
-        """fn(), replayed from its CUDA graph once its key has been used CAPTURE_AFTER times (eagerly
-        before: the many (bucket, K) keys a long tail or adaptive K visits only a few times never
-        pay a capture); True when the call was not a replay (not a representative time)."""
-        uses = self._uses.get(key, 0) + 1
-        self._uses[key] = uses
-        if not self.cuda_graphs or uses < CAPTURE_AFTER:
-            fn()
-            self._unreplayed += self.cuda_graphs
-            return self.cuda_graphs
-        if key not in self._steps:
-            self._steps[key] = self.captured(fn)
-            self._steps[key]()
-            self._unreplayed += 1
-            return True
-        self._steps[key]()
-        return False
-
     def _in_vocab(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens with ids outside the vocabulary (the -1 of unused window slots, an eos_id no model
         emits in padding) clamped into it: only garbage slots, overwritten before use, see them."""
@@ -781,16 +725,16 @@ class RolloutEngine:
         timer = StepTimer(self.device)
         for bucket in sorted({self._bucket(running, B0) for running in range(1, B0 + 1)}):
             self._num_staged.fill_(1)
-            self._uses.setdefault(("flush", bucket, width), CAPTURE_AFTER - 1)  # captured at once
-            self._run(("flush", bucket, width), partial(self._flush_staged, bucket, width))
+            self.graphs.capture_at_next_use(("flush", bucket, width))
+            self.graphs.run(("flush", bucket, width), partial(self._flush_staged, bucket, width))
             for k in range(K + 1):
                 shape = StepShape(B0, bucket, k, temperature, top_p, stage=not k, width=width)
-                self._uses.setdefault(shape, CAPTURE_AFTER - 1)
+                self.graphs.capture_at_next_use(shape)
                 seconds = []
                 while len(seconds) < MEASURED_STEPS:
                     self._num_staged.zero_()  # a K = 0 step stages into slot 0
                     timer.mark(0)
-                    first = self._run(shape, partial(self._decode_step, shape))
+                    first = self.graphs.run(shape, partial(self._decode_step, shape))
                     timer.mark(1)
                     self._status.tolist()  # the host sync that makes the timer readable
                     if not first:
@@ -830,7 +774,7 @@ class RolloutEngine:
             with self._clock(timing, "measure_s"):
                 self._measure_steps(B, K, temperature, top_p, self._cache_width(P + self.max_k))
             self._measured.add((B, K, temperature, top_p))
-        self._unreplayed = 0
+        self.graphs.unreplayed = 0
         self._rng.manual_seed(int(torch.randint(2**62, (), generator=generator, device=seed_device)))
 
         with self._clock(timing, "prefill_s"):
@@ -841,7 +785,7 @@ class RolloutEngine:
             self._row_of_slot[:B] = torch.arange(B, device=self.device)
             self._eos.fill_(eos_id)
             width = self._cache_width(P)
-            self._run(("prefill", B, P, K > 0, temperature, top_p, width),
+            self.graphs.run(("prefill", B, P, K > 0, temperature, top_p, width),
                       partial(self._prefill, B, P, K > 0, temperature, top_p, width))
 
         start = time.perf_counter()
@@ -859,7 +803,7 @@ class RolloutEngine:
             drafted_per_position=drafted,
             per_position_acceptance=(accepted.double() / drafted.clamp(min=1).double()).float(),
             steps_per_k=steps_per_k, num_decode_steps=int(steps_per_k.sum()),
-            unreplayed_calls=self._unreplayed, timing=timing,
+            unreplayed_calls=self.graphs.unreplayed, timing=timing,
         )
         result.tokens_per_s = float(response_lengths.sum()) / (time.perf_counter() - wall)
         return result
@@ -894,10 +838,10 @@ class RolloutEngine:
             timer.mark(0)
             first = False  # a flush is timed with the step it precedes: part of the cost of drafting again
             if num_staged and (k or num_staged == self.max_k + 1):
-                first = self._run(("flush", B, width), partial(self._flush_staged, B, width))
+                first = self.graphs.run(("flush", B, width), partial(self._flush_staged, B, width))
                 num_staged = 0
             shape = StepShape(B0, B, k, temperature, top_p, stage=adaptive and not k, width=width)
-            first |= self._run(shape, partial(self._decode_step, shape))
+            first |= self.graphs.run(shape, partial(self._decode_step, shape))
             timer.mark(1)
             num_staged += shape.stage
             steps_per_k[k] += 1
