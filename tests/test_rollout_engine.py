@@ -10,7 +10,8 @@ from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.packing import pack
 from titan_draft.rollout import EngineOptions, GoodputController, RolloutEngine, probs_from_logits
-from titan_draft.rollout.engine import StepShape, _attend_folded
+from titan_draft.rollout.cached_model import _attend_folded
+from titan_draft.rollout.engine import StepShape
 
 DEVICE = _compat.device()  # the engine runs where the policy does: the CUDA path on a GPU machine
 

@@ -56,17 +56,15 @@ batch size once, before that call's prefill (`_measure_steps`), so rollouts do n
 """
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
-from titan_draft.models.draft import DraftArgs, EagleDraft
-from titan_draft.models.families import family_of_args
+from titan_draft.models.draft import DraftArgs
+from titan_draft.rollout.cached_model import CachedModels, cache_width
 from titan_draft.rollout.goodput import GoodputController, StepTimer
 from titan_draft.rollout.graphs import StepGraphs
 from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, probs_from_logits, sample,
@@ -78,16 +76,8 @@ STATUS_COUNTS = 4
 # The state buffers' cache slots are a multiple of this (RolloutEngine._reserve): calls of similar
 # budgets share buffers and captured steps.
 SLOT_ROUNDING = 128
-# Distinct attended cache widths: the full cache, then halvings (see RolloutEngine._cache_width).
-CACHE_WIDTH_LEVELS = 6
 # Timed replays per decode-step shape when adaptive K measures a new batch size (median kept).
 MEASURED_STEPS = 3
-
-# (row, kv head) pairs from which multi-query attention is folded: on the H200, 64 pairs (16 rows x
-# 4 kv heads) ran at 0.6-0.7x SDPA's cuDNN, 256 pairs at 1.4-3.5x (bench/results/decode_attention_h200.json).
-FOLDED_MIN_ROW_HEADS = 128
-# Multi-query cached attention: the memory-efficient kernel (math where it does not run: float64).
-_MULTI_QUERY_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -146,49 +136,7 @@ class StepShape:
     stage: bool
     """A K = 0 step keeps its taps for the draft's trunk (adaptive K)."""
     width: int
-    """Cache slots its attention reads (RolloutEngine._cache_width)."""
-
-
-@contextmanager
-def _default_dtype(dtype):
-    """Build modules with parameters in dtype; rope tables keep the float32 their code asks for."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def _attend(q, k_cache, v_cache, mask, scale=None):
-    """q [B, S, Hq, D] against a static cache [B, L, Hkv, D] under mask [B, S, L].
-
-    SDPA with enable_gqa, except for several queries per row on CUDA (verify windows, the draft's
-    trunk extension) over many (row, kv head) pairs: there cuDNN, SDPA's choice on Hopper, ran its
-    S >= 2 kernel at 1.4-3.5x the time of `_attend_folded` (bench/decode_attention.py), which
-    only loses where too few pairs fill the GPU.
-    """
-    B, S = q.shape[:2]
-    if S > 1 and q.device.type == "cuda" and B * k_cache.shape[2] >= FOLDED_MIN_ROW_HEADS:
-        return _attend_folded(q, k_cache, v_cache, mask, scale)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                                         attn_mask=mask[:, None], scale=scale,
-                                         enable_gqa=q.shape[2] != k_cache.shape[2])
-    return out.transpose(1, 2)
-
-
-def _attend_folded(q, k_cache, v_cache, mask, scale=None):
-    """_attend with the G = Hq / Hkv query heads that share a kv head as G * S query rows of that
-    head, through the memory-efficient kernel (which takes no GQA; math where it does not run)."""
-    B, S, Hq, D = q.shape
-    Hkv, L = k_cache.shape[2], mask.shape[-1]
-    G = Hq // Hkv
-    folded = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)
-    folded_mask = mask[:, None, None].expand(B, 1, G, S, L).reshape(B, 1, G * S, L)
-    with sdpa_kernel(_MULTI_QUERY_BACKENDS):
-        out = F.scaled_dot_product_attention(folded, k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                                             attn_mask=folded_mask, scale=scale)
-    return out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, Hq, D)
+    """Cache slots its attention reads (cached_model.cache_width)."""
 
 
 @dataclass(frozen=True)
@@ -216,12 +164,6 @@ class RolloutEngine:
         """Inference copies of the policy (and draft) for calls of up to max_batch_size rows of up
         to max_seq_len tokens (prompt + response), with up to options.max_speculative_tokens
         drafts. The KV caches and other state buffers come with the first `generate`."""
-        family = family_of_args(policy_args)
-        model_cls, self._rope, rope_name = family.model_cls, family.apply_rotary_emb, family.rope_buffer
-        self.tap_layers = sorted(tap_layers)
-        if draft_args is not None and len(self.tap_layers) != draft_args.n_taps:
-            raise ValueError(f"tap_layers: {len(self.tap_layers)} layers given but the draft reads "
-                             f"{draft_args.n_taps} taps; pass the draft's tap layers")
         self.device, self.dtype = torch.device(device), dtype
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_k = options.max_speculative_tokens
@@ -229,15 +171,8 @@ class RolloutEngine:
         # Verify windows of finished rows and the last step may run K + 1 slots past a row's budget.
         self.max_slots = max_seq_len + self.max_k + 1
 
-        with torch.device(self.device), _default_dtype(dtype):
-            self.policy = model_cls(replace(policy_args, max_seq_len=self.max_slots))
-        self.policy.eval().requires_grad_(False)
-        self._rope_table = lambda: getattr(self.policy, rope_name)
-        self.draft, self._target_ids = None, None
-        if draft_args is not None:
-            with torch.device(self.device), _default_dtype(dtype):
-                self.draft = EagleDraft(replace(draft_args, max_seq_len=self.max_slots))
-            self.draft.eval().requires_grad_(False)
+        self.model = CachedModels(policy_args, draft_args, tap_layers, self.max_slots, self.device, dtype)
+        self._target_ids = None  # the draft's vocabulary as target ids (load_weights)
 
         # What the loop reads once per step: running rows, verify rows, emitted tokens, the longest
         # row's length, then per draft position the row-steps that accepted it and that proposed it.
@@ -253,14 +188,18 @@ class RolloutEngine:
         self.controller = GoodputController(self.max_k)
         self._measured: set[tuple] = set()  # (rows, K, temperature, top_p) of adaptive calls measured
         self.buffer_rows = self.slots = 0  # the state buffers' rows and cache slots (none yet)
-        self.k_cache, self.v_cache = [], []
 
         self._policy_step, self._draft_extend, self._draft_pass = (
-            self._cached_policy_forward, self._cached_draft_extend, self._cached_draft_pass)
+            self.model.policy_forward, self.model.draft_extend, self.model.draft_pass)
         if options.compile:
-            self._policy_step = torch.compile(self._cached_policy_forward, dynamic=False)
-            self._draft_extend = torch.compile(self._cached_draft_extend, dynamic=False)
-            self._draft_pass = torch.compile(self._cached_draft_pass, dynamic=False)
+            self._policy_step = torch.compile(self.model.policy_forward, dynamic=False)
+            self._draft_extend = torch.compile(self.model.draft_extend, dynamic=False)
+            self._draft_pass = torch.compile(self.model.draft_pass, dynamic=False)
+
+    # The cached models' modules and KV caches, by the names callers read.
+    policy, draft = property(attrgetter("model.policy")), property(attrgetter("model.draft"))
+    k_cache, v_cache = property(attrgetter("model.k_cache")), property(attrgetter("model.v_cache"))
+    draft_k, draft_v = property(attrgetter("model.draft_k")), property(attrgetter("model.draft_v"))
 
     @property
     def cuda_graphs(self) -> bool:
@@ -275,8 +214,7 @@ class RolloutEngine:
         sizes, or alternating ones, settle on one set; the captured steps, which read the old
         buffers' addresses, go with them (release_caches).
         Kept across new buffers: the graphs' use counts (StepGraphs), `_measured` and the
-        controller's costs. The
-        costs, seconds per (bucket, K) step, stay valid: a step's work depends on its rows, K and
+        controller's costs. The costs, seconds per (bucket, K) step, stay valid: a step's work depends on its rows, K and
         the width its attention reads, not on where the buffers live, and that width follows the
         longest row (the smallest halving of the slots that holds it: under twice its length for
         any slot count, but at the narrowest level); the running mean follows what differs."""
@@ -285,11 +223,8 @@ class RolloutEngine:
         rows = max(rows, self.buffer_rows)
         slots = min(max(-(-slots // SLOT_ROUNDING) * SLOT_ROUNDING, self.slots), self.max_slots)
         self.release_caches()
+        self.model.allocate(rows, slots)
         zeros = partial(torch.zeros, device=self.device)
-        attn = self.policy.layers["0"].attention
-        cache_shape = (rows, slots, attn.n_kv_heads, attn.head_dim)
-        self.k_cache = [zeros(cache_shape, dtype=self.dtype) for _ in self.policy.layers]
-        self.v_cache = [zeros(cache_shape, dtype=self.dtype) for _ in self.policy.layers]
         # Row state lives in slots; _row_of_slot maps a slot to its row of the call (compaction).
         self._tokens = zeros(rows, slots, dtype=torch.long)  # a verify window writes K + 1 columns
         self._lengths = zeros(rows, dtype=torch.long)
@@ -297,10 +232,7 @@ class RolloutEngine:
         self._done = zeros(rows, dtype=torch.bool)
         self._row_of_slot = zeros(rows, dtype=torch.long)
         if self.draft is not None:
-            # Slot = anchor for the trunk; pass k's branch key goes to slot anchor + k - 1 (see draft_pass).
             args = self.draft.args
-            self.draft_k = zeros(rows, slots, args.n_kv_heads, args.head_dim, dtype=self.dtype)
-            self.draft_v = zeros(rows, slots, args.n_kv_heads, args.head_dim, dtype=self.dtype)
             self._hidden = zeros(rows, args.dim, dtype=self.dtype)
             # Taps of up to max_k + 1 K = 0 steps, put into the draft's trunk before the next draft.
             self._staged_taps = zeros(rows, self.max_k + 1, args.n_taps * args.dim, dtype=self.dtype)
@@ -311,9 +243,9 @@ class RolloutEngine:
         private memory pool (to PyTorch's caching allocator: torch.cuda.empty_cache() hands it on
         to the driver), e.g. while the policy trains. The weights stay; the next `generate`
         allocates again and captures its steps again."""
-        self.k_cache, self.v_cache = [], []
+        self.model.release()
         self._tokens = self._lengths = self._limit = self._done = self._row_of_slot = None
-        self.draft_k = self.draft_v = self._hidden = self._staged_taps = None
+        self._hidden = self._staged_taps = None
         self.graphs.clear()
         self.buffer_rows = self.slots = 0
 
@@ -326,10 +258,9 @@ class RolloutEngine:
         """Every state buffer indexed by slot (dim 0), for compaction (none when released)."""
         if not self.buffer_rows:
             return []
-        buffers = [*self.k_cache, *self.v_cache, self._tokens, self._lengths, self._limit, self._done,
-                   self._row_of_slot]
+        buffers = [*self.model.caches(), self._tokens, self._lengths, self._limit, self._done, self._row_of_slot]
         if self.draft is not None:
-            buffers += [self.draft_k, self.draft_v, self._hidden, self._staged_taps]
+            buffers += [self._hidden, self._staged_taps]
         return buffers
 
     # --- weights -----------------------------------------------------------------------------------
@@ -348,113 +279,28 @@ class RolloutEngine:
             else:  # in place: captured steps read it
                 self._target_ids.copy_(self.draft.target_ids())
 
-    # --- the policy ----------------------------------------------------------------------------------
+    # --- the cached forwards, on buffers that hold their rows ----------------------------------------
     def policy_forward(self, tokens: torch.Tensor, positions: torch.Tensor, width: int | None = None):
-        """Cached forward of tokens [B, S] at positions [B, S] (cache slot = position).
-
-        Writes their keys/values into the cache, attends slots <= each query's position, and
-        returns logits [B, S, V], tap features [B, S, n_taps * dim] (tap layers' outputs, ascending)
-        and the token embeddings [B, S, dim]. width: the cache slots attention reads (default
-        max_slots); every position must lie below it. The state buffers are made to hold B rows
-        and width slots first (_reserve: new ones start from zero).
-        """
+        """CachedModels.policy_forward, the state buffers made to hold B rows and width slots first
+        (_reserve: new ones start from zero). width: the cache slots attention reads (default
+        max_slots)."""
         width = width or self.max_slots
         self._reserve(tokens.shape[0], width)
-        return self._cached_policy_forward(tokens, positions, width)
+        return self.model.policy_forward(tokens, positions, width)
 
-    def _cached_policy_forward(self, tokens: torch.Tensor, positions: torch.Tensor, width: int):
-        """policy_forward on the state buffers as they are (generate's steps: no host-side check)."""
-        B = tokens.shape[0]
-        rows = torch.arange(B, device=tokens.device)[:, None]
-        mask = self._visible(positions, width)  # [B, S, width]
-        rope = self._rope_table()
-        emb = self.policy.tok_embeddings(tokens)
-        h, taps = emb, []
-        for i, layer in enumerate(self.policy.layers.values()):
-            h = h + self._attention(layer.attention, layer.attention_norm(h), rope, positions, rows, mask,
-                                    self.k_cache[i], self.v_cache[i])
-            ffn = layer.moe if getattr(layer, "moe_enabled", False) else layer.feed_forward
-            h = h + ffn(layer.ffn_norm(h))
-            if i in self.tap_layers:
-                taps.append(h)
-        logits = self.policy.output(self.policy.norm(h))
-        return logits, torch.cat(taps, dim=-1), emb
-
-    def _attention(self, attn, x, rope, positions, rows, mask, k_cache, v_cache):
-        """torchtitan's Attention.forward with the inner op replaced by the static cache."""
-        B, S, _ = x.shape
-        q = attn.wq(x).view(B, S, -1, attn.head_dim)
-        k = attn.wk(x).view(B, S, -1, attn.head_dim)
-        v = attn.wv(x).view(B, S, -1, attn.head_dim)
-        if getattr(attn, "q_norm", None) is not None:  # qwen3
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self._rope(q, k, rope, positions)
-        k_cache[rows, positions] = k
-        v_cache[rows, positions] = v
-        width = mask.shape[-1]
-        out = _attend(q, k_cache[:B, :width], v_cache[:B, :width], mask, scale=getattr(attn, "scaling", None))
-        return attn.wo(out.flatten(2))
-
-    # --- the draft -----------------------------------------------------------------------------------
     def draft_extend(self, next_emb: torch.Tensor, taps: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
                      width: int | None = None):
-        """Pass 1 at anchors start..start+W-1 of each row (the first count[b] are real).
-
-        next_emb [B, W, dim]: policy embeddings of x_{i+1}; taps [B, W, n_taps * dim]: taps at i.
-        Writes their trunk keys and returns pass 1's hidden at the last real anchor, [B, dim].
-        width: the cache slots attention reads (default max_slots), above every anchor; the state
-        buffers are made to hold B rows and width slots first (as in policy_forward).
-        """
+        """CachedModels.draft_extend, the state buffers made to hold B rows and width slots first."""
         width = width or self.max_slots
         self._reserve(next_emb.shape[0], width)
-        return self._cached_draft_extend(next_emb, taps, start, count, width)
-
-    def _cached_draft_extend(self, next_emb, taps, start, count, width: int):
-        """draft_extend on the state buffers as they are."""
-        B, W, _ = next_emb.shape
-        rows = torch.arange(B, device=next_emb.device)
-        anchors = start[:, None] + torch.arange(W, device=next_emb.device)
-        hidden = self.draft.fc(taps)
-        q, k, v = self.draft.project_qkv(next_emb.flatten(0, 1), hidden.flatten(0, 1), anchors.flatten())
-        self.draft_k[rows[:, None], anchors] = k.view(B, W, *k.shape[1:])
-        self.draft_v[rows[:, None], anchors] = v.view(B, W, *v.shape[1:])
-        mask = self._visible(anchors, width)  # trunk slots <= anchor
-        out = _attend(q.view(B, W, *q.shape[1:]), self.draft_k[:B, :width], self.draft_v[:B, :width], mask)
-        hidden = self.draft.complete(out, hidden)
-        return hidden[rows, count - 1]
+        return self.model.draft_extend(next_emb, taps, start, count, width)
 
     def draft_pass(self, k: int, emb: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
                    width: int | None = None):
-        """Pass k >= 2 at anchor [B]: input e(t_{k-1}) [B, dim] and pass k-1's hidden [B, dim];
-        returns pass k's hidden [B, dim]. width: the cache slots attention reads (default
-        max_slots); the state buffers are made to hold B rows and width slots first.
-
-        Its key goes to slot anchor + k - 1, its RoPE position, so that slots <= anchor + k - 1
-        are exactly what pass k attends: the trunk (anchors <= anchor) and passes 2..k's branch keys.
-        Those slots belong to anchors whose next token is not known yet: garbage under the rollback
-        rule, overwritten by the trunk extension after the verify step.
-        """
+        """CachedModels.draft_pass, the state buffers made to hold B rows and width slots first."""
         width = width or self.max_slots
         self._reserve(emb.shape[0], width)
-        return self._cached_draft_pass(k, emb, hidden, anchor, width)
-
-    def _cached_draft_pass(self, k: int, emb, hidden, anchor, width: int):
-        """draft_pass on the state buffers as they are."""
-        B = emb.shape[0]
-        rows = torch.arange(B, device=emb.device)
-        slot = anchor + k - 1
-        q, key, value = self.draft.project_qkv(emb, hidden, slot)
-        self.draft_k[rows, slot] = key
-        self.draft_v[rows, slot] = value
-        mask = self._visible(slot[:, None], width)
-        out = _attend(q[:, None], self.draft_k[:B, :width], self.draft_v[:B, :width], mask)
-        return self.draft.complete(out[:, 0], hidden)
-
-    @staticmethod
-    def _visible(last: torch.Tensor, width: int) -> torch.Tensor:
-        """The attention mask [*last.shape, width] of queries that see cache slots 0..last (every
-        cache holds slot = RoPE position) among the first `width` slots."""
-        return torch.arange(width, device=last.device) <= last[..., None]
+        return self.model.draft_pass(k, emb, hidden, anchor, width)
 
     def _propose(self, hidden, anchor, K, temperature, top_p, noise, width):
         """K chained draft tokens [B, K] and their distributions [B, K, V] (target vocabulary, 0
@@ -609,18 +455,6 @@ class RolloutEngine:
         captures graph sets) at most log2(B / min_bucket) times."""
         return min(B, max(self.min_bucket, 1 << (running - 1).bit_length())) if self.compact else B
 
-    def _cache_width(self, needed: int) -> int:
-        """Cache slots a step attends: the smallest of slots, slots / 2, slots / 4, ... (rounded up,
-        CACHE_WIDTH_LEVELS in all) that holds `needed`. Attention then reads the live part of the
-        caches, not all of it, in a few step shapes (CUDA graphs) per call."""
-        width = self.slots
-        for _ in range(CACHE_WIDTH_LEVELS - 1):
-            half = -(-width // 2)
-            if half < needed:
-                break
-            width = half
-        return width
-
     def _measure_steps(self, B0: int, K: int, temperature: float, top_p: float, width: int) -> None:
         """Capture (on CUDA) and time every decode step a call of B0 rows can run at `width`, each
         active-row bucket with k = 0..K drafts, and give the times to the controller: adaptive K
@@ -685,7 +519,7 @@ class RolloutEngine:
         seed_device = generator.device if generator is not None else "cpu"
         if adaptive and (B, K, temperature, top_p) not in self._measured:
             with self._clock(timing, "measure_s"):
-                self._measure_steps(B, K, temperature, top_p, self._cache_width(P + self.max_k))
+                self._measure_steps(B, K, temperature, top_p, cache_width(self.slots, P + self.max_k))
             self._measured.add((B, K, temperature, top_p))
         self.graphs.unreplayed = 0
         self._rng.manual_seed(int(torch.randint(2**62, (), generator=generator, device=seed_device)))
@@ -697,7 +531,7 @@ class RolloutEngine:
             self._limit[:B] = self._lengths[:B] + max_new_tokens
             self._row_of_slot[:B] = torch.arange(B, device=self.device)
             self._eos.fill_(eos_id)
-            width = self._cache_width(P)
+            width = cache_width(self.slots, P)
             self.graphs.run(("prefill", B, P, K > 0, temperature, top_p, width),
                       partial(self._prefill, B, P, K > 0, temperature, top_p, width))
 
@@ -747,7 +581,7 @@ class RolloutEngine:
             k = self.controller.choose(B, K) if adaptive else K
             # Every slot this step (or a flush) writes or reads lies below the longest row's length
             # (status[3]) + max_k: the verify window, the draft's branch and trunk slots.
-            width = self._cache_width(status[3] + self.max_k)
+            width = cache_width(self.slots, status[3] + self.max_k)
             timer.mark(0)
             first = False  # a flush is timed with the step it precedes: part of the cost of drafting again
             if num_staged and (k or num_staged == self.max_k + 1):
