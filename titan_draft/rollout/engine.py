@@ -214,10 +214,11 @@ class RolloutEngine:
         sizes, or alternating ones, settle on one set; the captured steps, which read the old
         buffers' addresses, go with them (release_caches).
         Kept across new buffers: the graphs' use counts (StepGraphs), `_measured` and the
-        controller's costs. The costs, seconds per (bucket, K) step, stay valid: a step's work depends on its rows, K and
-        the width its attention reads, not on where the buffers live, and that width follows the
-        longest row (the smallest halving of the slots that holds it: under twice its length for
-        any slot count, but at the narrowest level); the running mean follows what differs."""
+        controller's costs. The costs, seconds per (bucket, K) step, stay valid: a step's work
+        depends on its rows, K and the width its attention reads, not on where the buffers live,
+        and that width follows the longest row (the smallest halving of the slots that holds it:
+        under twice its length for any slot count, but at the narrowest level); the running mean
+        follows what differs."""
         if rows <= self.buffer_rows and slots <= self.slots:
             return
         rows = max(rows, self.buffer_rows)
