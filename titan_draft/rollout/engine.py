@@ -71,8 +71,8 @@ from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, probs_f
                                          speculative_accept)
 from titan_draft.rollout.weights import copy_weights
 
-# Counters at the head of the engine's status vector (running, verify rows, emitted, longest).
-STATUS_COUNTS = 4
+# Counters at the head of the engine's status vector: StepStatus's scalar fields.
+STATUS_COUNTS = 5
 # The state buffers' cache slots are a multiple of this (RolloutEngine._reserve): calls of similar
 # budgets share buffers and captured steps.
 SLOT_ROUNDING = 128
@@ -120,6 +120,37 @@ class RolloutResult:
     timed), prefill_s (prompt forward, first token, draft trunk) and decode_s (the steps)."""
     tokens_per_s: float = 0.0
     """Generated tokens (all rows) per second of wall time of generate()."""
+
+
+@dataclass
+class StepStatus:
+    """The counters the decode loop reads once per step, by name: the fields of one device vector
+    (its layout is the fields' order), as views of it (`split` of the tensor: prefill and the steps
+    write them in place) or as its host copy (`read`: the loop's one host sync per step)."""
+    running: int | torch.Tensor
+    """Rows not finished."""
+    verify_rows: int | torch.Tensor
+    """Row verify steps of the call (a step counts once for every row running at its start)."""
+    emitted: int | torch.Tensor
+    """Tokens emitted by the call's verify steps."""
+    longest: int | torch.Tensor
+    """The longest row's length."""
+    staged: int | torch.Tensor
+    """K = 0 steps whose taps wait in the staged buffer for the draft's trunk (adaptive K)."""
+    accepted_per_position: list[int] | torch.Tensor
+    """[max_k]: row verify steps that accepted draft k."""
+    drafted_per_position: list[int] | torch.Tensor
+    """[max_k]: row verify steps that proposed draft k."""
+
+    @classmethod
+    def split(cls, status, max_k: int) -> "StepStatus":
+        """The fields of status (a tensor of STATUS_COUNTS + 2 max_k entries, or a list of them)."""
+        head, mid = STATUS_COUNTS, STATUS_COUNTS + max_k
+        return cls(*status[:head], status[head:mid], status[mid:])
+
+    @classmethod
+    def read(cls, status: torch.Tensor, max_k: int) -> "StepStatus":
+        return cls.split(status.tolist(), max_k)
 
 
 @dataclass(frozen=True)
@@ -174,14 +205,10 @@ class RolloutEngine:
         self.model = CachedModels(policy_args, draft_args, tap_layers, self.max_slots, self.device, dtype)
         self._target_ids = None  # the draft's vocabulary as target ids (load_weights)
 
-        # What the loop reads once per step: running rows, verify rows, emitted tokens, the longest
-        # row's length, then per draft position the row-steps that accepted it and that proposed it.
+        # What the loop reads once per step (StepStatus), and its fields as views the steps write.
         self._status = torch.zeros(STATUS_COUNTS + 2 * self.max_k, dtype=torch.long, device=self.device)
-        self._running, self._verify_rows, self._emitted, self._longest = self._status[:STATUS_COUNTS]
-        self._accepted = self._status[STATUS_COUNTS:STATUS_COUNTS + self.max_k]
-        self._drafted = self._status[STATUS_COUNTS + self.max_k:]
+        self._counts = StepStatus.split(self._status, self.max_k)
         self._eos = torch.zeros((), dtype=torch.long, device=self.device)
-        self._num_staged = torch.zeros((), dtype=torch.long, device=self.device)  # columns of _staged_taps in use
         # Every random draw of generate() comes from this generator, seeded from the caller's.
         self._rng = torch.Generator(self.device)
         self.graphs = StepGraphs(options.cuda_graphs and self.device.type == "cuda", self._rng)
@@ -380,13 +407,12 @@ class RolloutEngine:
         tokens[rows, lengths] = first
         lengths += 1
         done.copy_((first == self._eos) | (lengths >= self._limit[:B]))
-        self._status.zero_()
-        self._running.copy_((~done).sum())
-        self._longest.copy_(lengths.max())
+        self._status.zero_()  # nothing staged, nothing counted yet
+        self._counts.running.copy_((~done).sum())
+        self._counts.longest.copy_(lengths.max())
         if draft:  # anchors 0..p_b - 1 (x_{p_b} is the first token); later ones are padding
             next_emb = self.policy.tok_embeddings(self._in_vocab(tokens[:, 1:P + 1]))
             self._hidden[:B] = self._draft_extend(next_emb, taps, torch.zeros_like(lengths), lengths - 1, width)
-            self._num_staged.zero_()
 
     def _decode_step(self, shape: StepShape) -> None:
         """One decode step of slots 0..shape.rows-1, in place on the engine's state buffers; no host sync.
@@ -422,33 +448,33 @@ class RolloutEngine:
         columns = lengths[:, None] + window
         tokens.scatter_(1, columns, torch.where(window < emit[:, None], out, tokens.gather(1, columns)))
         running = ~done
-        self._verify_rows += running.sum()
-        self._emitted += emit.sum()
+        counts = self._counts
+        counts.verify_rows += running.sum()
+        counts.emitted += emit.sum()
         if K:
-            self._accepted[:K] += ((num_accepted[:, None] > window[:K]) & running[:, None]).sum(0)
-            self._drafted[:K] += running.sum()
+            counts.accepted_per_position[:K] += ((num_accepted[:, None] > window[:K]) & running[:, None]).sum(0)
+            counts.drafted_per_position[:K] += running.sum()
         done |= is_eos.any(1) | (lengths + emit >= limit)
         lengths += emit
-        self._running.copy_((~done).sum())
-        self._longest.copy_(lengths.max())
+        counts.running.copy_((~done).sum())
+        counts.longest.copy_(lengths.max())
         if K:  # finished rows extend too (harmlessly, past their end): no data-dependent branch
             next_emb = self.policy.tok_embeddings(self._in_vocab(out))
             self._hidden[:B] = self._draft_extend(next_emb, taps, n, emit.clamp(min=1), shape.width)
         elif shape.stage:  # running rows emitted exactly one token: anchor n's taps
-            self._staged_taps[:B].index_copy_(1, self._num_staged[None], taps)
-            self._num_staged += 1
+            self._staged_taps[:B].index_copy_(1, counts.staged[None], taps)
+            counts.staged += 1
 
     def _flush_staged(self, B: int, width: int) -> None:
         """Pass 1 of the draft at the anchors of the K = 0 steps since its last use (their taps were
         staged; each running row emitted one token per step), so that its trunk and hidden state
         are current again; in place, no host sync. Windows are max_k + 1 wide, the staged part real."""
-        tokens, lengths = self._tokens[:B], self._lengths[:B]
-        start = (lengths - 1 - self._num_staged).clamp(min=0)  # first staged anchor of a running row
+        tokens, lengths, staged = self._tokens[:B], self._lengths[:B], self._counts.staged
+        start = (lengths - 1 - staged).clamp(min=0)  # first staged anchor of a running row
         columns = start[:, None] + 1 + torch.arange(self._staged_taps.shape[1], device=tokens.device)
         next_emb = self.policy.tok_embeddings(self._in_vocab(tokens.gather(1, columns)))
-        self._hidden[:B] = self._draft_extend(next_emb, self._staged_taps[:B], start, self._num_staged.expand(B),
-                                              width)
-        self._num_staged.zero_()
+        self._hidden[:B] = self._draft_extend(next_emb, self._staged_taps[:B], start, staged.expand(B), width)
+        staged.zero_()
 
     def _bucket(self, running: int, B: int) -> int:
         """Slots to run `running` rows in: the smallest power of two that holds them (at least
@@ -472,7 +498,7 @@ class RolloutEngine:
         self._hidden[:B0].zero_()
         timer = StepTimer(self.device)
         for bucket in sorted({self._bucket(running, B0) for running in range(1, B0 + 1)}):
-            self._num_staged.fill_(1)
+            self._counts.staged.fill_(1)
             self.graphs.capture_at_next_use(("flush", bucket, width))
             self.graphs.run(("flush", bucket, width), partial(self._flush_staged, bucket, width))
             for k in range(K + 1):
@@ -480,7 +506,7 @@ class RolloutEngine:
                 self.graphs.capture_at_next_use(shape)
                 seconds = []
                 while len(seconds) < MEASURED_STEPS:
-                    self._num_staged.zero_()  # a K = 0 step stages into slot 0
+                    self._counts.staged.zero_()  # a K = 0 step stages into slot 0
                     timer.mark(0)
                     first = self.graphs.run(shape, partial(self._decode_step, shape))
                     timer.mark(1)
@@ -488,7 +514,7 @@ class RolloutEngine:
                     if not first:
                         seconds.append(timer.seconds())
                 self.controller.observe_cost(bucket, k, sorted(seconds)[len(seconds) // 2])
-        self._num_staged.zero_()
+        self._counts.staged.zero_()
 
     def _compact(self, B: int, bucket: int) -> None:
         """Move the running rows (in order, then finished ones to fill the bucket) to slots
@@ -537,11 +563,12 @@ class RolloutEngine:
                       partial(self._prefill, B, P, K > 0, temperature, top_p, width))
 
         start = time.perf_counter()
-        steps_per_k, out_tokens, out_lengths = self._decode(B, K, adaptive, temperature, top_p, total)
+        steps_per_k, out_tokens, out_lengths, status = self._decode(B, K, adaptive, temperature, top_p, total)
         timing["decode_s"] = time.perf_counter() - start
 
-        verify_rows, emitted = int(self._verify_rows), int(self._emitted)
-        accepted, drafted = self._accepted[:K].cpu(), self._drafted[:K].cpu()
+        verify_rows, emitted = status.verify_rows, status.emitted
+        accepted = torch.tensor(status.accepted_per_position[:K], dtype=torch.long)
+        drafted = torch.tensor(status.drafted_per_position[:K], dtype=torch.long)
         response_lengths = out_lengths.cpu() - prompt_lengths
         result = RolloutResult(
             tokens=out_tokens.cpu(), prompt_lengths=prompt_lengths, response_lengths=response_lengths,
@@ -558,7 +585,7 @@ class RolloutEngine:
 
     def _decode(self, B0: int, K: int, adaptive: bool, temperature: float, top_p: float, total: int):
         """Decode steps until every row has finished: (steps per draft length [K + 1], tokens
-        [B0, total] and lengths [B0] of the rows, on the device)."""
+        [B0, total] and lengths [B0] of the rows, on the device, and the last StepStatus)."""
         out_tokens = torch.empty(B0, total, dtype=torch.long, device=self.device)
         out_lengths = torch.empty(B0, dtype=torch.long, device=self.device)
 
@@ -571,34 +598,31 @@ class RolloutEngine:
         timer = StepTimer(self.device)
         if adaptive:
             self.controller.new_call()
-        B, num_staged = B0, 0
-        status = self._status.tolist()
-        while status[0]:  # running rows, read once per step: the loop's one host sync
-            bucket = self._bucket(status[0], B)
+        B, status = B0, StepStatus.read(self._status, self.max_k)
+        while status.running:
+            bucket = self._bucket(status.running, B)
             if bucket < B:
                 save(B)  # finished rows keep their output; their slots get reused
                 self._compact(B, bucket)
                 B = bucket
             k = self.controller.choose(B, K) if adaptive else K
             # Every slot this step (or a flush) writes or reads lies below the longest row's length
-            # (status[3]) + max_k: the verify window, the draft's branch and trunk slots.
-            width = cache_width(self.slots, status[3] + self.max_k)
+            # + max_k: the verify window, the draft's branch and trunk slots.
+            width = cache_width(self.slots, status.longest + self.max_k)
             timer.mark(0)
             first = False  # a flush is timed with the step it precedes: part of the cost of drafting again
-            if num_staged and (k or num_staged == self.max_k + 1):
+            if status.staged and (k or status.staged == self.max_k + 1):
                 first = self.graphs.run(("flush", B, width), partial(self._flush_staged, B, width))
-                num_staged = 0
             shape = StepShape(B0, B, k, temperature, top_p, stage=adaptive and not k, width=width)
             first |= self.graphs.run(shape, partial(self._decode_step, shape))
             timer.mark(1)
-            num_staged += shape.stage
             steps_per_k[k] += 1
-            previous, status = status, self._status.tolist()
+            previous, status = status, StepStatus.read(self._status, self.max_k)  # the loop's one host sync
             if adaptive and not first:
                 self.controller.observe_cost(B, k, timer.seconds())
             if adaptive and k:  # this step's counts per draft position
-                head, mid = STATUS_COUNTS, STATUS_COUNTS + self.max_k
-                self.controller.observe_acceptance([a - b for a, b in zip(status[head:mid], previous[head:mid])],
-                                                   [a - b for a, b in zip(status[mid:], previous[mid:])])
+                self.controller.observe_acceptance(
+                    [a - b for a, b in zip(status.accepted_per_position, previous.accepted_per_position)],
+                    [a - b for a, b in zip(status.drafted_per_position, previous.drafted_per_position)])
         save(B)
-        return steps_per_k, out_tokens, out_lengths
+        return steps_per_k, out_tokens, out_lengths, status
