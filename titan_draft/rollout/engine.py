@@ -1,7 +1,13 @@
 """Speculative rollout engine: EAGLE-3 drafting and lossless verification with KV caches.
 
-gpt-fast style, plain PyTorch. The engine holds inference copies of the policy (a torchtitan
-llama3 / qwen3 model) and of the draft, refreshed from the trained modules by `load_weights`.
+gpt-fast style, plain PyTorch. This file is the decode loop: `RolloutEngine.generate`, prefill,
+the decode step, compaction. Its parts, one idea per file of titan_draft/rollout/:
+- cached_model.py: the inference copies of the policy (a torchtitan llama3 / qwen3 model) and of
+  the draft with their KV caches; cached forwards and decode attention (`CachedModels`);
+- graphs.py: CUDA-graph capture and replay of the engine's calls, per key (`StepGraphs`);
+- goodput.py: adaptive K (`GoodputController`) and step timing;
+- weights.py: refreshing the inference copies from the trained modules (`load_weights`);
+- sampling.py: distributions, sampling and the acceptance rule.
 
 Bookkeeping, per row b of the batch (prompt length p_b; cache slot = RoPE position = token column):
 - `lengths[b]` tokens are known; the last one, at position n = lengths[b] - 1, is not yet in the
@@ -45,14 +51,11 @@ drafting step (or when max_k + 1 are staged). Any K, at any step, is lossless.
 Speed: one decode step (draft K tokens, verify, accept, roll back, extend the draft's trunk) is a
 single function of static-shape tensors that live in engine buffers, with no host
 synchronisation inside. On CUDA it is captured once per `StepShape` (bucket, K, cache width,
-temperature, top-p, ...) into a CUDA graph and replayed (`CapturedCall`); elsewhere it runs
-eagerly. Both run the same code. The loop reads one small status vector per step (running rows,
-the longest row, counters). Attention reads only the live part of the caches: the smallest of a
-few widths (the whole cache, then halvings) that holds the longest row plus a draft window.
-Multi-query attention (verify windows, the draft's trunk extension) folds GQA heads into query
-rows for the memory-efficient kernel (`_attend`). Adaptive K times every step shape of a new
-batch size once, before that call's prefill (`_measure_steps`), so rollouts do not explore
-(docs/DESIGN.md 4.4).
+temperature, top-p, ...) into a CUDA graph and replayed (graphs.py); elsewhere it runs eagerly.
+Both run the same code. The loop reads one small status vector per step (`StepStatus`: running
+rows, the longest row, staged steps, counters). Attention reads only the live part of the caches
+(`cache_width` in cached_model.py). Adaptive K times every step shape of a new batch size once,
+before that call's prefill (`_measure_steps`), so rollouts do not explore (docs/DESIGN.md 4.4).
 """
 import time
 from contextlib import contextmanager
