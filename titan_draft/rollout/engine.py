@@ -333,6 +333,7 @@ class RolloutEngine:
         self._reserve(emb.shape[0], width)
         return self.model.draft_pass(k, emb, hidden, anchor, width)
 
+    # --- generation ----------------------------------------------------------------------------------
     def _propose(self, hidden, anchor, K, temperature, top_p, noise, width):
         """K chained draft tokens [B, K] and their distributions [B, K, V] (target vocabulary, 0
         outside the draft's) from pass 1's hidden; random numbers from noise (a RowNoise)."""
@@ -347,7 +348,6 @@ class RolloutEngine:
         target_probs[..., self._target_ids] = draft_probs
         return torch.stack(tokens, 1), target_probs
 
-    # --- generation ----------------------------------------------------------------------------------
     @contextmanager
     def _clock(self, timing: dict, key: str):
         if self.device.type == "cuda":
