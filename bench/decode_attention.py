@@ -1,4 +1,4 @@
-"""The rollout engine's cached attention (titan_draft.rollout.engine._attend) against SDPA's default
+"""The rollout engine's cached attention (titan_draft.rollout.cached_model._attend) against SDPA's default
 backend with enable_gqa (cuDNN on the H200), side by side in one process, on the engine's cache
 layout: B rows, S queries per row (S = 1: a plain decode step; S = K + 1: a verify window), a static
 cache of L slots of which the mask keeps slots <= each query's position, GQA (Hq query heads per
@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from bench._common import REPO_ROOT, device_tag, environment, median_time, write_json
-from titan_draft.rollout.engine import CapturedCall, _attend
+from titan_draft.rollout.cached_model import _attend
+from titan_draft.rollout.graphs import CapturedCall
 
 REPLAYS = 10  # graph replays per timed call: sub-millisecond calls, timed between device syncs
 

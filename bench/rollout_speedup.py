@@ -110,7 +110,7 @@ def step_parts(engine, batch_size: int, temperature: float, part_repeats: int) -
     anchor = torch.full((B,), 7, dtype=torch.long, device=device)
 
     def seconds(fn):
-        return median_time(engine.captured(fn), 1, part_repeats, device)[0]
+        return median_time(engine.graphs.captured(fn), 1, part_repeats, device)[0]
 
     verify, draft = {}, {}
     for k in range(engine.max_k + 1):

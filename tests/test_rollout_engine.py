@@ -10,7 +10,8 @@ from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.packing import pack
 from titan_draft.rollout import EngineOptions, GoodputController, RolloutEngine, probs_from_logits
-from titan_draft.rollout.engine import StepShape, _attend_folded
+from titan_draft.rollout.cached_model import _attend_folded
+from titan_draft.rollout.engine import StepShape
 
 DEVICE = _compat.device()  # the engine runs where the policy does: the CUDA path on a GPU machine
 
@@ -83,7 +84,7 @@ def assert_layout(out, prompts, eos_id, max_new_tokens):
 
 def compacted(engine) -> bool:
     """Whether some decode step of the engine ran on fewer slots than its call had rows."""
-    return any(isinstance(key, StepShape) and key.rows < key.full for key in engine._uses)
+    return any(isinstance(key, StepShape) and key.rows < key.full for key in engine.graphs.uses)
 
 
 @torch.no_grad()
@@ -268,7 +269,7 @@ def test_caches_after_rollback_equal_fresh_prefill(schedule):
     out = engine.generate(prompts, N, num_speculative_tokens=K, temperature=1.0, eos_id=NEVER,
                           generator=torch.Generator(DEVICE).manual_seed(5), adaptive=schedule is not None)
     assert out.acceptance_length < K + 1  # there were rejections
-    widths = {key.width for key in engine._uses if isinstance(key, StepShape)}
+    widths = {key.width for key in engine.graphs.uses if isinstance(key, StepShape)}
     assert min(widths) < engine.slots  # early steps attended only the live part of the caches
     fresh = engine_for(policy, draft, B)
     seqs = out.tokens.to(DEVICE).clamp(max=VOCAB - 1)  # the eos fill past the ends is never attended
@@ -534,7 +535,7 @@ def test_cuda_graph_steps_equal_eager_steps(K, temperature):
         assert torch.equal(a.tokens, b.tokens), call
         assert (a.num_verify_forwards, a.emitted_tokens, a.num_decode_steps) == \
             (b.num_verify_forwards, b.emitted_tokens, b.num_decode_steps)
-    replayed = [key for key, step in graphed._steps.items()
+    replayed = [key for key, step in graphed.graphs.steps.items()
                 if isinstance(key, StepShape) and (key.rows, key.k) == (3, K) and step.graph is not None]
     assert replayed
 
@@ -589,7 +590,7 @@ def test_buffers_are_sized_by_the_calls_and_released_without_changing_a_sample()
     held = engine.cache_bytes
     engine.release_caches()
     assert (engine.cache_bytes, engine.buffer_rows, engine.slots, engine.k_cache) == (0, 0, 0, [])
-    assert not engine._steps  # no captured step reads the released buffers
+    assert not engine.graphs.steps  # no captured step reads the released buffers
     if DEVICE.type == "cuda":  # the buffers went back to the allocator
         assert allocated - torch.cuda.memory_allocated(DEVICE) >= held
     assert torch.equal(call(3, 20).tokens, short.tokens)  # allocated again

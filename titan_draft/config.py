@@ -124,7 +124,7 @@ class Rollout:
     """Response budget per rollout; 0 = the task's own (task.max_new_tokens)."""
     adaptive: bool = True
     """Pick the number of draft tokens (0..num_speculative_tokens) before every decode step for the most
-    tokens per second, from measured step costs and acceptance (rollout/engine.py GoodputController);
+    tokens per second, from measured step costs and acceptance (rollout/goodput.py GoodputController);
     false = always num_speculative_tokens. Measured costs make adaptive runs not bit-reproducible."""
     release_caches: bool = True
     """Give the engine's KV caches (and the CUDA graphs that read them) back after each step's rollouts, so

@@ -1,5 +1,6 @@
 """Speculative rollouts: the acceptance rule and the KV-cached EAGLE-3 engine."""
-from titan_draft.rollout.engine import EngineOptions, GoodputController, RolloutEngine, RolloutResult
+from titan_draft.rollout.engine import EngineOptions, RolloutEngine, RolloutResult
+from titan_draft.rollout.goodput import GoodputController
 from titan_draft.rollout.sampling import probs_from_logits, sample, speculative_accept
 
 __all__ = ["EngineOptions", "GoodputController", "RolloutEngine", "RolloutResult", "probs_from_logits", "sample",

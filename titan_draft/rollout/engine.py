@@ -1,7 +1,13 @@
 """Speculative rollout engine: EAGLE-3 drafting and lossless verification with KV caches.
 
-gpt-fast style, plain PyTorch. The engine holds inference copies of the policy (a torchtitan
-llama3 / qwen3 model) and of the draft, refreshed from the trained modules by `load_weights`.
+gpt-fast style, plain PyTorch. This file is the decode loop: `RolloutEngine.generate`, prefill,
+the decode step, compaction. Its parts, one idea per file of titan_draft/rollout/:
+- cached_model.py: the inference copies of the policy (a torchtitan llama3 / qwen3 model) and of
+  the draft with their KV caches; cached forwards and decode attention (`CachedModels`);
+- graphs.py: CUDA-graph capture and replay of the engine's calls, per key (`StepGraphs`);
+- goodput.py: adaptive K (`GoodputController`) and step timing;
+- weights.py: refreshing the inference copies from the trained modules (`load_weights`);
+- sampling.py: distributions, sampling and the acceptance rule.
 
 Bookkeeping, per row b of the batch (prompt length p_b; cache slot = RoPE position = token column):
 - `lengths[b]` tokens are known; the last one, at position n = lengths[b] - 1, is not yet in the
@@ -45,51 +51,36 @@ drafting step (or when max_k + 1 are staged). Any K, at any step, is lossless.
 Speed: one decode step (draft K tokens, verify, accept, roll back, extend the draft's trunk) is a
 single function of static-shape tensors that live in engine buffers, with no host
 synchronisation inside. On CUDA it is captured once per `StepShape` (bucket, K, cache width,
-temperature, top-p, ...) into a CUDA graph and replayed (`CapturedCall`); elsewhere it runs
-eagerly. Both run the same code. The loop reads one small status vector per step (running rows,
-the longest row, counters). Attention reads only the live part of the caches: the smallest of a
-few widths (the whole cache, then halvings) that holds the longest row plus a draft window.
-Multi-query attention (verify windows, the draft's trunk extension) folds GQA heads into query
-rows for the memory-efficient kernel (`_attend`). Adaptive K times every step shape of a new
-batch size once, before that call's prefill (`_measure_steps`), so rollouts do not explore
-(docs/DESIGN.md 4.4).
+temperature, top-p, ...) into a CUDA graph and replayed (graphs.py); elsewhere it runs eagerly.
+Both run the same code. The loop reads one small status vector per step (`StepStatus`: running
+rows, the longest row, staged steps, counters). Attention reads only the live part of the caches
+(`cache_width` in cached_model.py). Adaptive K times every step shape of a new batch size once,
+before that call's prefill (`_measure_steps`), so rollouts do not explore (docs/DESIGN.md 4.4).
 """
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
-from titan_draft.models.draft import DraftArgs, EagleDraft
-from titan_draft.models.families import family_of_args
+from titan_draft.models.draft import DraftArgs
+from titan_draft.rollout.cached_model import CachedModels, cache_width
+from titan_draft.rollout.goodput import GoodputController, StepTimer
+from titan_draft.rollout.graphs import StepGraphs
 from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, probs_from_logits, sample,
                                          speculative_accept)
+from titan_draft.rollout.weights import copy_weights
 
-# A decode-step shape runs eagerly this many times before it is captured as a CUDA graph.
-CAPTURE_AFTER = 3
-# Counters at the head of the engine's status vector (running, verify rows, emitted, longest).
-STATUS_COUNTS = 4
+# Counters at the head of the engine's status vector: StepStatus's scalar fields.
+STATUS_COUNTS = 5
 # The state buffers' cache slots are a multiple of this (RolloutEngine._reserve): calls of similar
 # budgets share buffers and captured steps.
 SLOT_ROUNDING = 128
-# Distinct attended cache widths: the full cache, then halvings (see RolloutEngine._cache_width).
-CACHE_WIDTH_LEVELS = 6
 # Timed replays per decode-step shape when adaptive K measures a new batch size (median kept).
 MEASURED_STEPS = 3
-
-# (row, kv head) pairs from which multi-query attention is folded: on the H200, 64 pairs (16 rows x
-# 4 kv heads) ran at 0.6-0.7x SDPA's cuDNN, 256 pairs at 1.4-3.5x (bench/results/decode_attention_h200.json).
-FOLDED_MIN_ROW_HEADS = 128
-# Multi-query cached attention: the memory-efficient kernel (math where it does not run: float64).
-_MULTI_QUERY_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-# Wrapper prefixes that checkpointing and torch.compile add to parameter names.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
 @dataclass
@@ -134,92 +125,35 @@ class RolloutResult:
     """Generated tokens (all rows) per second of wall time of generate()."""
 
 
-class GoodputController:
-    """The draft length K (0..max_k) of the next decode step: the one with the most expected
-    emitted tokens per second for the current active-row bucket.
+@dataclass
+class StepStatus:
+    """The counters the decode loop reads once per step, by name: the fields of one device vector
+    (its layout is the fields' order), as views of it (`split` of the tensor: prefill and the steps
+    write them in place) or as its host copy (`read`: the loop's one host sync per step)."""
+    running: int | torch.Tensor
+    """Rows not finished."""
+    verify_rows: int | torch.Tensor
+    """Row verify steps of the call (a step counts once for every row running at its start)."""
+    emitted: int | torch.Tensor
+    """Tokens emitted by the call's verify steps."""
+    longest: int | torch.Tensor
+    """The longest row's length."""
+    staged: int | torch.Tensor
+    """K = 0 steps whose taps wait in the staged buffer for the draft's trunk (adaptive K)."""
+    accepted_per_position: list[int] | torch.Tensor
+    """[max_k]: row verify steps that accepted draft k."""
+    drafted_per_position: list[int] | torch.Tensor
+    """[max_k]: row verify steps that proposed draft k."""
 
-    Expected tokens per row-step with K drafts: 1 + sum_{k<K} a_k, where a_k is the measured
-    fraction of row-steps that drafted more than k tokens and accepted more than k; the counts are
-    exponentially decayed once per call (`new_call`) and start from a prior of `prior_steps`
-    row-steps that accepted everything, so that positions left unused long enough get tried again.
-    a_k is made non-increasing in k, as the true rates are. Seconds per step: per (bucket, K) a
-    running mean of measured step times; in a bucket every K gets a measurement (largest K first)
-    before any K is judged. A bucket keeps its last K unless another promises `switch_gain` more
-    tokens per second: measurement noise does not flip K (each new step shape costs a capture).
-    """
+    @classmethod
+    def split(cls, status, max_k: int) -> "StepStatus":
+        """The fields of status (a tensor of STATUS_COUNTS + 2 max_k entries, or a list of them)."""
+        head, mid = STATUS_COUNTS, STATUS_COUNTS + max_k
+        return cls(*status[:head], status[head:mid], status[mid:])
 
-    def __init__(self, max_k: int, *, decay: float = 0.5, prior_steps: float = 1.0, cost_weight: float = 0.25,
-                 switch_gain: float = 0.05):
-        self.max_k, self.decay, self.prior_steps, self.cost_weight = max_k, decay, prior_steps, cost_weight
-        self.switch_gain = switch_gain
-        self.last: dict[int, int] = {}
-        """bucket -> the K chosen last."""
-        self.accepted = [0.0] * max_k
-        self.drafted = [0.0] * max_k
-        self.cost: dict[tuple[int, int], float] = {}
-        """(bucket, K) -> seconds per step."""
-
-    def new_call(self) -> None:
-        self.accepted = [self.decay * a for a in self.accepted]
-        self.drafted = [self.decay * d for d in self.drafted]
-
-    def observe_acceptance(self, accepted, drafted) -> None:
-        """Per-position counts of one or more steps (as RolloutResult's *_per_position)."""
-        for k, (a, d) in enumerate(zip(accepted, drafted)):
-            self.accepted[k] += a
-            self.drafted[k] += d
-
-    def observe_cost(self, bucket: int, K: int, seconds: float) -> None:
-        old = self.cost.get((bucket, K))
-        self.cost[bucket, K] = seconds if old is None else old + self.cost_weight * (seconds - old)
-
-    def acceptance_rates(self) -> list[float]:
-        """a_k for k = 0..max_k-1."""
-        rates, bound = [], 1.0
-        for a, d in zip(self.accepted, self.drafted):
-            bound = min(bound, (a + self.prior_steps) / (d + self.prior_steps))
-            rates.append(bound)
-        return rates
-
-    def expected_tokens(self, K: int) -> float:
-        """Expected emitted tokens per row-step with K drafts."""
-        return 1.0 + sum(self.acceptance_rates()[:K])
-
-    def choose(self, bucket: int, max_k: int) -> int:
-        """K in 0..max_k for a step of `bucket` rows."""
-        for K in range(max_k, -1, -1):
-            if (bucket, K) not in self.cost:
-                return K
-        goodput = {K: self.expected_tokens(K) / self.cost[bucket, K] for K in range(max_k + 1)}
-        best = max(goodput, key=goodput.get)
-        last = self.last.get(bucket)
-        if last in goodput and goodput[best] <= (1 + self.switch_gain) * goodput[last]:
-            best = last
-        self.last[bucket] = best
-        return best
-
-
-class StepTimer:
-    """Seconds one decode step took, read after the loop's host sync: CUDA events on CUDA (they add
-    no sync of their own), the host clock elsewhere (where steps run synchronously)."""
-
-    def __init__(self, device: torch.device):
-        self.events = None
-        if device.type == "cuda":
-            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        self.clock = [0.0, 0.0]
-
-    def mark(self, end: int) -> None:
-        """end = 0 before the step, 1 after it."""
-        if self.events is not None:
-            self.events[end].record()
-        else:
-            self.clock[end] = time.perf_counter()
-
-    def seconds(self) -> float:
-        if self.events is not None:
-            return self.events[0].elapsed_time(self.events[1]) / 1000
-        return self.clock[1] - self.clock[0]
+    @classmethod
+    def read(cls, status: torch.Tensor, max_k: int) -> "StepStatus":
+        return cls.split(status.tolist(), max_k)
 
 
 @dataclass(frozen=True)
@@ -236,104 +170,7 @@ class StepShape:
     stage: bool
     """A K = 0 step keeps its taps for the draft's trunk (adaptive K)."""
     width: int
-    """Cache slots its attention reads (RolloutEngine._cache_width)."""
-
-
-def _copy_weights(src: nn.Module, dst: nn.Module, what: str) -> None:
-    """dst <- src by parameter name; sharded (DTensor) tensors are gathered (a collective: call on
-    every rank of the mesh)."""
-    from torch.distributed.tensor import DTensor
-
-    dst_state = dst.state_dict()
-    loaded = set()
-    for name, tensor in src.state_dict().items():
-        for prefix in _WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
-        if name not in dst_state:
-            raise ValueError(f"load_weights: {what} has '{name}', which the engine's {what} lacks; "
-                             f"build the engine with the same model args as the trained {what}")
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        if tensor.shape != dst_state[name].shape:
-            raise ValueError(f"load_weights: {what} '{name}' is {tuple(tensor.shape)} but the engine's is "
-                             f"{tuple(dst_state[name].shape)}; build the engine with the trained {what}'s args")
-        dst_state[name].copy_(tensor)
-        loaded.add(name)
-    missing = sorted(set(dst_state) - loaded)
-    if missing:
-        raise ValueError(f"load_weights: the trained {what} lacks {missing[:3]}...; build the engine "
-                         f"with the same model args as the trained {what}")
-
-
-@contextmanager
-def _default_dtype(dtype):
-    """Build modules with parameters in dtype; rope tables keep the float32 their code asks for."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def _attend(q, k_cache, v_cache, mask, scale=None):
-    """q [B, S, Hq, D] against a static cache [B, L, Hkv, D] under mask [B, S, L].
-
-    SDPA with enable_gqa, except for several queries per row on CUDA (verify windows, the draft's
-    trunk extension) over many (row, kv head) pairs: there cuDNN, SDPA's choice on Hopper, ran its
-    S >= 2 kernel at 1.4-3.5x the time of `_attend_folded` (bench/decode_attention.py), which
-    only loses where too few pairs fill the GPU.
-    """
-    B, S = q.shape[:2]
-    if S > 1 and q.device.type == "cuda" and B * k_cache.shape[2] >= FOLDED_MIN_ROW_HEADS:
-        return _attend_folded(q, k_cache, v_cache, mask, scale)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                                         attn_mask=mask[:, None], scale=scale,
-                                         enable_gqa=q.shape[2] != k_cache.shape[2])
-    return out.transpose(1, 2)
-
-
-def _attend_folded(q, k_cache, v_cache, mask, scale=None):
-    """_attend with the G = Hq / Hkv query heads that share a kv head as G * S query rows of that
-    head, through the memory-efficient kernel (which takes no GQA; math where it does not run)."""
-    B, S, Hq, D = q.shape
-    Hkv, L = k_cache.shape[2], mask.shape[-1]
-    G = Hq // Hkv
-    folded = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)
-    folded_mask = mask[:, None, None].expand(B, 1, G, S, L).reshape(B, 1, G * S, L)
-    with sdpa_kernel(_MULTI_QUERY_BACKENDS):
-        out = F.scaled_dot_product_attention(folded, k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                                             attn_mask=folded_mask, scale=scale)
-    return out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, Hq, D)
-
-
-class CapturedCall:
-    """fn() (no arguments, no outputs: it works on tensors it holds) as a CUDA graph.
-
-    The first call runs fn eagerly on a side stream, as a real call, so that lazy initialisation
-    (cuBLAS handles, allocator growth) happens outside capture; then fn is captured. Every later
-    call replays the graph. Random numbers come from `generator`, registered with the graph so
-    that every replay draws fresh ones. Tensors fn allocates live in `pool` and must not outlive
-    the call (graphs sharing a pool may then replay in any order).
-    """
-
-    def __init__(self, fn, generator: torch.Generator, pool):
-        self.fn, self.generator, self.pool, self.graph = fn, generator, pool, None
-
-    def __call__(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
-            return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        graph.register_generator_state(self.generator)
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.fn()
-        self.graph = graph
+    """Cache slots its attention reads (cached_model.cache_width)."""
 
 
 @dataclass(frozen=True)
@@ -361,12 +198,6 @@ class RolloutEngine:
         """Inference copies of the policy (and draft) for calls of up to max_batch_size rows of up
         to max_seq_len tokens (prompt + response), with up to options.max_speculative_tokens
         drafts. The KV caches and other state buffers come with the first `generate`."""
-        family = family_of_args(policy_args)
-        model_cls, self._rope, rope_name = family.model_cls, family.apply_rotary_emb, family.rope_buffer
-        self.tap_layers = sorted(tap_layers)
-        if draft_args is not None and len(self.tap_layers) != draft_args.n_taps:
-            raise ValueError(f"tap_layers: {len(self.tap_layers)} layers given but the draft reads "
-                             f"{draft_args.n_taps} taps; pass the draft's tap layers")
         self.device, self.dtype = torch.device(device), dtype
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_k = options.max_speculative_tokens
@@ -374,42 +205,36 @@ class RolloutEngine:
         # Verify windows of finished rows and the last step may run K + 1 slots past a row's budget.
         self.max_slots = max_seq_len + self.max_k + 1
 
-        with torch.device(self.device), _default_dtype(dtype):
-            self.policy = model_cls(replace(policy_args, max_seq_len=self.max_slots))
-        self.policy.eval().requires_grad_(False)
-        self._rope_table = lambda: getattr(self.policy, rope_name)
-        self.draft, self._target_ids = None, None
-        if draft_args is not None:
-            with torch.device(self.device), _default_dtype(dtype):
-                self.draft = EagleDraft(replace(draft_args, max_seq_len=self.max_slots))
-            self.draft.eval().requires_grad_(False)
+        self.model = CachedModels(policy_args, draft_args, tap_layers, self.max_slots, self.device, dtype)
+        self._target_ids = None  # the draft's vocabulary as target ids (load_weights)
 
-        # What the loop reads once per step: running rows, verify rows, emitted tokens, the longest
-        # row's length, then per draft position the row-steps that accepted it and that proposed it.
+        # What the loop reads once per step (StepStatus), and its fields as views the steps write.
         self._status = torch.zeros(STATUS_COUNTS + 2 * self.max_k, dtype=torch.long, device=self.device)
-        self._running, self._verify_rows, self._emitted, self._longest = self._status[:STATUS_COUNTS]
-        self._accepted = self._status[STATUS_COUNTS:STATUS_COUNTS + self.max_k]
-        self._drafted = self._status[STATUS_COUNTS + self.max_k:]
+        self._counts = StepStatus.split(self._status, self.max_k)
         self._eos = torch.zeros((), dtype=torch.long, device=self.device)
-        self._num_staged = torch.zeros((), dtype=torch.long, device=self.device)  # columns of _staged_taps in use
         # Every random draw of generate() comes from this generator, seeded from the caller's.
         self._rng = torch.Generator(self.device)
-        self.cuda_graphs = options.cuda_graphs and self.device.type == "cuda"
-        self._steps: dict[object, object] = {}
-        self._uses: dict[object, int] = {}
-        self._unreplayed = 0  # _run calls of the current generate() that were not graph replays
-        self._graph_pool = None  # the captured steps' private memory pool (taken at the first capture)
+        self.graphs = StepGraphs(options.cuda_graphs and self.device.type == "cuda", self._rng)
         self.controller = GoodputController(self.max_k)
         self._measured: set[tuple] = set()  # (rows, K, temperature, top_p) of adaptive calls measured
         self.buffer_rows = self.slots = 0  # the state buffers' rows and cache slots (none yet)
-        self.k_cache, self.v_cache = [], []
 
         self._policy_step, self._draft_extend, self._draft_pass = (
-            self._cached_policy_forward, self._cached_draft_extend, self._cached_draft_pass)
+            self.model.policy_forward, self.model.draft_extend, self.model.draft_pass)
         if options.compile:
-            self._policy_step = torch.compile(self._cached_policy_forward, dynamic=False)
-            self._draft_extend = torch.compile(self._cached_draft_extend, dynamic=False)
-            self._draft_pass = torch.compile(self._cached_draft_pass, dynamic=False)
+            self._policy_step = torch.compile(self.model.policy_forward, dynamic=False)
+            self._draft_extend = torch.compile(self.model.draft_extend, dynamic=False)
+            self._draft_pass = torch.compile(self.model.draft_pass, dynamic=False)
+
+    # The cached models' modules and KV caches, by the names callers read.
+    policy, draft = property(attrgetter("model.policy")), property(attrgetter("model.draft"))
+    k_cache, v_cache = property(attrgetter("model.k_cache")), property(attrgetter("model.v_cache"))
+    draft_k, draft_v = property(attrgetter("model.draft_k")), property(attrgetter("model.draft_v"))
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether prefill and decode steps replay as CUDA graphs (options.cuda_graphs, on CUDA)."""
+        return self.graphs.enabled
 
     # --- state buffers -------------------------------------------------------------------------------
     def _reserve(self, rows: int, slots: int) -> None:
@@ -418,22 +243,19 @@ class RolloutEngine:
         of each, the slots rounded up to SLOT_ROUNDING (within max_slots), so that calls of similar
         sizes, or alternating ones, settle on one set; the captured steps, which read the old
         buffers' addresses, go with them (release_caches).
-        Kept across new buffers: `_uses` (a shape already used CAPTURE_AFTER times is captured
-        again at its next use, not run eagerly first), `_measured` and the controller's costs. The
-        costs, seconds per (bucket, K) step, stay valid: a step's work depends on its rows, K and
-        the width its attention reads, not on where the buffers live, and that width follows the
-        longest row (the smallest halving of the slots that holds it: under twice its length for
-        any slot count, but at the narrowest level); the running mean follows what differs."""
+        Kept across new buffers: the graphs' use counts (StepGraphs), `_measured` and the
+        controller's costs. The costs, seconds per (bucket, K) step, stay valid: a step's work
+        depends on its rows, K and the width its attention reads, not on where the buffers live,
+        and that width follows the longest row (the smallest halving of the slots that holds it:
+        under twice its length for any slot count, but at the narrowest level); the running mean
+        follows what differs."""
         if rows <= self.buffer_rows and slots <= self.slots:
             return
         rows = max(rows, self.buffer_rows)
         slots = min(max(-(-slots // SLOT_ROUNDING) * SLOT_ROUNDING, self.slots), self.max_slots)
         self.release_caches()
+        self.model.allocate(rows, slots)
         zeros = partial(torch.zeros, device=self.device)
-        attn = self.policy.layers["0"].attention
-        cache_shape = (rows, slots, attn.n_kv_heads, attn.head_dim)
-        self.k_cache = [zeros(cache_shape, dtype=self.dtype) for _ in self.policy.layers]
-        self.v_cache = [zeros(cache_shape, dtype=self.dtype) for _ in self.policy.layers]
         # Row state lives in slots; _row_of_slot maps a slot to its row of the call (compaction).
         self._tokens = zeros(rows, slots, dtype=torch.long)  # a verify window writes K + 1 columns
         self._lengths = zeros(rows, dtype=torch.long)
@@ -441,10 +263,7 @@ class RolloutEngine:
         self._done = zeros(rows, dtype=torch.bool)
         self._row_of_slot = zeros(rows, dtype=torch.long)
         if self.draft is not None:
-            # Slot = anchor for the trunk; pass k's branch key goes to slot anchor + k - 1 (see draft_pass).
             args = self.draft.args
-            self.draft_k = zeros(rows, slots, args.n_kv_heads, args.head_dim, dtype=self.dtype)
-            self.draft_v = zeros(rows, slots, args.n_kv_heads, args.head_dim, dtype=self.dtype)
             self._hidden = zeros(rows, args.dim, dtype=self.dtype)
             # Taps of up to max_k + 1 K = 0 steps, put into the draft's trunk before the next draft.
             self._staged_taps = zeros(rows, self.max_k + 1, args.n_taps * args.dim, dtype=self.dtype)
@@ -455,11 +274,10 @@ class RolloutEngine:
         private memory pool (to PyTorch's caching allocator: torch.cuda.empty_cache() hands it on
         to the driver), e.g. while the policy trains. The weights stay; the next `generate`
         allocates again and captures its steps again."""
-        self.k_cache, self.v_cache = [], []
+        self.model.release()
         self._tokens = self._lengths = self._limit = self._done = self._row_of_slot = None
-        self.draft_k = self.draft_v = self._hidden = self._staged_taps = None
-        self._steps.clear()  # the graphs, and with the last of them the pool's claim on its memory
-        self._graph_pool = None  # a pool whose graphs are gone cannot take new captures: a new one
+        self._hidden = self._staged_taps = None
+        self.graphs.clear()
         self.buffer_rows = self.slots = 0
 
     @property
@@ -471,10 +289,9 @@ class RolloutEngine:
         """Every state buffer indexed by slot (dim 0), for compaction (none when released)."""
         if not self.buffer_rows:
             return []
-        buffers = [*self.k_cache, *self.v_cache, self._tokens, self._lengths, self._limit, self._done,
-                   self._row_of_slot]
+        buffers = [*self.model.caches(), self._tokens, self._lengths, self._limit, self._done, self._row_of_slot]
         if self.draft is not None:
-            buffers += [self.draft_k, self.draft_v, self._hidden, self._staged_taps]
+            buffers += [self._hidden, self._staged_taps]
         return buffers
 
     # --- weights -----------------------------------------------------------------------------------
@@ -482,125 +299,41 @@ class RolloutEngine:
     def load_weights(self, policy: nn.Module, draft: nn.Module | None = None) -> None:
         """Refresh the inference copies from trained modules (plain, FSDP2/DTensor-sharded,
         activation-checkpointed or compiled)."""
-        _copy_weights(policy, self.policy, "policy")
+        copy_weights(policy, self.policy, "policy")
         if draft is not None:
             if self.draft is None:
                 raise ValueError("load_weights: a draft was given but the engine was built without "
                                  "draft_args; build it with the draft's args")
-            _copy_weights(draft, self.draft, "draft")
+            copy_weights(draft, self.draft, "draft")
             if self._target_ids is None:
                 self._target_ids = self.draft.target_ids()
             else:  # in place: captured steps read it
                 self._target_ids.copy_(self.draft.target_ids())
 
-    # --- the policy ----------------------------------------------------------------------------------
+    # --- the cached forwards, on buffers that hold their rows ----------------------------------------
     def policy_forward(self, tokens: torch.Tensor, positions: torch.Tensor, width: int | None = None):
-        """Cached forward of tokens [B, S] at positions [B, S] (cache slot = position).
-
-        Writes their keys/values into the cache, attends slots <= each query's position, and
-        returns logits [B, S, V], tap features [B, S, n_taps * dim] (tap layers' outputs, ascending)
-        and the token embeddings [B, S, dim]. width: the cache slots attention reads (default
-        max_slots); every position must lie below it. The state buffers are made to hold B rows
-        and width slots first (_reserve: new ones start from zero).
-        """
+        """CachedModels.policy_forward, the state buffers made to hold B rows and width slots first
+        (_reserve: new ones start from zero). width: the cache slots attention reads (default
+        max_slots)."""
         width = width or self.max_slots
         self._reserve(tokens.shape[0], width)
-        return self._cached_policy_forward(tokens, positions, width)
+        return self.model.policy_forward(tokens, positions, width)
 
-    def _cached_policy_forward(self, tokens: torch.Tensor, positions: torch.Tensor, width: int):
-        """policy_forward on the state buffers as they are (generate's steps: no host-side check)."""
-        B = tokens.shape[0]
-        rows = torch.arange(B, device=tokens.device)[:, None]
-        mask = self._visible(positions, width)  # [B, S, width]
-        rope = self._rope_table()
-        emb = self.policy.tok_embeddings(tokens)
-        h, taps = emb, []
-        for i, layer in enumerate(self.policy.layers.values()):
-            h = h + self._attention(layer.attention, layer.attention_norm(h), rope, positions, rows, mask,
-                                    self.k_cache[i], self.v_cache[i])
-            ffn = layer.moe if getattr(layer, "moe_enabled", False) else layer.feed_forward
-            h = h + ffn(layer.ffn_norm(h))
-            if i in self.tap_layers:
-                taps.append(h)
-        logits = self.policy.output(self.policy.norm(h))
-        return logits, torch.cat(taps, dim=-1), emb
-
-    def _attention(self, attn, x, rope, positions, rows, mask, k_cache, v_cache):
-        """torchtitan's Attention.forward with the inner op replaced by the static cache."""
-        B, S, _ = x.shape
-        q = attn.wq(x).view(B, S, -1, attn.head_dim)
-        k = attn.wk(x).view(B, S, -1, attn.head_dim)
-        v = attn.wv(x).view(B, S, -1, attn.head_dim)
-        if getattr(attn, "q_norm", None) is not None:  # qwen3
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self._rope(q, k, rope, positions)
-        k_cache[rows, positions] = k
-        v_cache[rows, positions] = v
-        width = mask.shape[-1]
-        out = _attend(q, k_cache[:B, :width], v_cache[:B, :width], mask, scale=getattr(attn, "scaling", None))
-        return attn.wo(out.flatten(2))
-
-    # --- the draft -----------------------------------------------------------------------------------
     def draft_extend(self, next_emb: torch.Tensor, taps: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
                      width: int | None = None):
-        """Pass 1 at anchors start..start+W-1 of each row (the first count[b] are real).
-
-        next_emb [B, W, dim]: policy embeddings of x_{i+1}; taps [B, W, n_taps * dim]: taps at i.
-        Writes their trunk keys and returns pass 1's hidden at the last real anchor, [B, dim].
-        width: the cache slots attention reads (default max_slots), above every anchor; the state
-        buffers are made to hold B rows and width slots first (as in policy_forward).
-        """
+        """CachedModels.draft_extend, the state buffers made to hold B rows and width slots first."""
         width = width or self.max_slots
         self._reserve(next_emb.shape[0], width)
-        return self._cached_draft_extend(next_emb, taps, start, count, width)
-
-    def _cached_draft_extend(self, next_emb, taps, start, count, width: int):
-        """draft_extend on the state buffers as they are."""
-        B, W, _ = next_emb.shape
-        rows = torch.arange(B, device=next_emb.device)
-        anchors = start[:, None] + torch.arange(W, device=next_emb.device)
-        hidden = self.draft.fc(taps)
-        q, k, v = self.draft.project_qkv(next_emb.flatten(0, 1), hidden.flatten(0, 1), anchors.flatten())
-        self.draft_k[rows[:, None], anchors] = k.view(B, W, *k.shape[1:])
-        self.draft_v[rows[:, None], anchors] = v.view(B, W, *v.shape[1:])
-        mask = self._visible(anchors, width)  # trunk slots <= anchor
-        out = _attend(q.view(B, W, *q.shape[1:]), self.draft_k[:B, :width], self.draft_v[:B, :width], mask)
-        hidden = self.draft.complete(out, hidden)
-        return hidden[rows, count - 1]
+        return self.model.draft_extend(next_emb, taps, start, count, width)
 
     def draft_pass(self, k: int, emb: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
                    width: int | None = None):
-        """Pass k >= 2 at anchor [B]: input e(t_{k-1}) [B, dim] and pass k-1's hidden [B, dim];
-        returns pass k's hidden [B, dim]. width: the cache slots attention reads (default
-        max_slots); the state buffers are made to hold B rows and width slots first.
-
-        Its key goes to slot anchor + k - 1, its RoPE position, so that slots <= anchor + k - 1
-        are exactly what pass k attends: the trunk (anchors <= anchor) and passes 2..k's branch keys.
-        Those slots belong to anchors whose next token is not known yet: garbage under the rollback
-        rule, overwritten by the trunk extension after the verify step.
-        """
+        """CachedModels.draft_pass, the state buffers made to hold B rows and width slots first."""
         width = width or self.max_slots
         self._reserve(emb.shape[0], width)
-        return self._cached_draft_pass(k, emb, hidden, anchor, width)
+        return self.model.draft_pass(k, emb, hidden, anchor, width)
 
-    def _cached_draft_pass(self, k: int, emb, hidden, anchor, width: int):
-        """draft_pass on the state buffers as they are."""
-        B = emb.shape[0]
-        rows = torch.arange(B, device=emb.device)
-        slot = anchor + k - 1
-        q, key, value = self.draft.project_qkv(emb, hidden, slot)
-        self.draft_k[rows, slot] = key
-        self.draft_v[rows, slot] = value
-        mask = self._visible(slot[:, None], width)
-        out = _attend(q[:, None], self.draft_k[:B, :width], self.draft_v[:B, :width], mask)
-        return self.draft.complete(out[:, 0], hidden)
-
-    @staticmethod
-    def _visible(last: torch.Tensor, width: int) -> torch.Tensor:
-        """The attention mask [*last.shape, width] of queries that see cache slots 0..last (every
-        cache holds slot = RoPE position) among the first `width` slots."""
-        return torch.arange(width, device=last.device) <= last[..., None]
-
+    # --- generation ----------------------------------------------------------------------------------
     def _propose(self, hidden, anchor, K, temperature, top_p, noise, width):
         """K chained draft tokens [B, K] and their distributions [B, K, V] (target vocabulary, 0
         outside the draft's) from pass 1's hidden; random numbers from noise (a RowNoise)."""
@@ -615,7 +348,6 @@ class RolloutEngine:
         target_probs[..., self._target_ids] = draft_probs
         return torch.stack(tokens, 1), target_probs
 
-    # --- generation ----------------------------------------------------------------------------------
     @contextmanager
     def _clock(self, timing: dict, key: str):
         if self.device.type == "cuda":
@@ -660,32 +392,6 @@ class RolloutEngine:
             raise ValueError("load_weights(policy, draft) must run before speculative generation")
         check_sampling_args(temperature, top_p)
 
-    def captured(self, fn):
-        """fn (no arguments, no outputs) as a CapturedCall on CUDA with cuda_graphs, else fn itself."""
-        if not self.cuda_graphs:
-            return fn
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        return CapturedCall(fn, self._rng, self._graph_pool)
-
-    def _run(self, key, fn) -> bool:
-        """fn(), replayed from its CUDA graph once its key has been used CAPTURE_AFTER times (eagerly
-        before: the many (bucket, K) keys a long tail or adaptive K visits only a few times never
-        pay a capture); True when the call was not a replay (not a representative time)."""
-        uses = self._uses.get(key, 0) + 1
-        self._uses[key] = uses
-        if not self.cuda_graphs or uses < CAPTURE_AFTER:
-            fn()
-            self._unreplayed += self.cuda_graphs
-            return self.cuda_graphs
-        if key not in self._steps:
-            self._steps[key] = self.captured(fn)
-            self._steps[key]()
-            self._unreplayed += 1
-            return True
-        self._steps[key]()
-        return False
-
     def _in_vocab(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens with ids outside the vocabulary (the -1 of unused window slots, an eos_id no model
         emits in padding) clamped into it: only garbage slots, overwritten before use, see them."""
@@ -704,13 +410,12 @@ class RolloutEngine:
         tokens[rows, lengths] = first
         lengths += 1
         done.copy_((first == self._eos) | (lengths >= self._limit[:B]))
-        self._status.zero_()
-        self._running.copy_((~done).sum())
-        self._longest.copy_(lengths.max())
+        self._status.zero_()  # nothing staged, nothing counted yet
+        self._counts.running.copy_((~done).sum())
+        self._counts.longest.copy_(lengths.max())
         if draft:  # anchors 0..p_b - 1 (x_{p_b} is the first token); later ones are padding
             next_emb = self.policy.tok_embeddings(self._in_vocab(tokens[:, 1:P + 1]))
             self._hidden[:B] = self._draft_extend(next_emb, taps, torch.zeros_like(lengths), lengths - 1, width)
-            self._num_staged.zero_()
 
     def _decode_step(self, shape: StepShape) -> None:
         """One decode step of slots 0..shape.rows-1, in place on the engine's state buffers; no host sync.
@@ -746,51 +451,39 @@ class RolloutEngine:
         columns = lengths[:, None] + window
         tokens.scatter_(1, columns, torch.where(window < emit[:, None], out, tokens.gather(1, columns)))
         running = ~done
-        self._verify_rows += running.sum()
-        self._emitted += emit.sum()
+        counts = self._counts
+        counts.verify_rows += running.sum()
+        counts.emitted += emit.sum()
         if K:
-            self._accepted[:K] += ((num_accepted[:, None] > window[:K]) & running[:, None]).sum(0)
-            self._drafted[:K] += running.sum()
+            counts.accepted_per_position[:K] += ((num_accepted[:, None] > window[:K]) & running[:, None]).sum(0)
+            counts.drafted_per_position[:K] += running.sum()
         done |= is_eos.any(1) | (lengths + emit >= limit)
         lengths += emit
-        self._running.copy_((~done).sum())
-        self._longest.copy_(lengths.max())
+        counts.running.copy_((~done).sum())
+        counts.longest.copy_(lengths.max())
         if K:  # finished rows extend too (harmlessly, past their end): no data-dependent branch
             next_emb = self.policy.tok_embeddings(self._in_vocab(out))
             self._hidden[:B] = self._draft_extend(next_emb, taps, n, emit.clamp(min=1), shape.width)
         elif shape.stage:  # running rows emitted exactly one token: anchor n's taps
-            self._staged_taps[:B].index_copy_(1, self._num_staged[None], taps)
-            self._num_staged += 1
+            self._staged_taps[:B].index_copy_(1, counts.staged[None], taps)
+            counts.staged += 1
 
     def _flush_staged(self, B: int, width: int) -> None:
         """Pass 1 of the draft at the anchors of the K = 0 steps since its last use (their taps were
         staged; each running row emitted one token per step), so that its trunk and hidden state
         are current again; in place, no host sync. Windows are max_k + 1 wide, the staged part real."""
-        tokens, lengths = self._tokens[:B], self._lengths[:B]
-        start = (lengths - 1 - self._num_staged).clamp(min=0)  # first staged anchor of a running row
+        tokens, lengths, staged = self._tokens[:B], self._lengths[:B], self._counts.staged
+        start = (lengths - 1 - staged).clamp(min=0)  # first staged anchor of a running row
         columns = start[:, None] + 1 + torch.arange(self._staged_taps.shape[1], device=tokens.device)
         next_emb = self.policy.tok_embeddings(self._in_vocab(tokens.gather(1, columns)))
-        self._hidden[:B] = self._draft_extend(next_emb, self._staged_taps[:B], start, self._num_staged.expand(B),
-                                              width)
-        self._num_staged.zero_()
+        self._hidden[:B] = self._draft_extend(next_emb, self._staged_taps[:B], start, staged.expand(B), width)
+        staged.zero_()
 
     def _bucket(self, running: int, B: int) -> int:
         """Slots to run `running` rows in: the smallest power of two that holds them (at least
         min_bucket, at most B), so that at most half the slots idle, and a call compacts (and
         captures graph sets) at most log2(B / min_bucket) times."""
         return min(B, max(self.min_bucket, 1 << (running - 1).bit_length())) if self.compact else B
-
-    def _cache_width(self, needed: int) -> int:
-        """Cache slots a step attends: the smallest of slots, slots / 2, slots / 4, ... (rounded up,
-        CACHE_WIDTH_LEVELS in all) that holds `needed`. Attention then reads the live part of the
-        caches, not all of it, in a few step shapes (CUDA graphs) per call."""
-        width = self.slots
-        for _ in range(CACHE_WIDTH_LEVELS - 1):
-            half = -(-width // 2)
-            if half < needed:
-                break
-            width = half
-        return width
 
     def _measure_steps(self, B0: int, K: int, temperature: float, top_p: float, width: int) -> None:
         """Capture (on CUDA) and time every decode step a call of B0 rows can run at `width`, each
@@ -808,23 +501,23 @@ class RolloutEngine:
         self._hidden[:B0].zero_()
         timer = StepTimer(self.device)
         for bucket in sorted({self._bucket(running, B0) for running in range(1, B0 + 1)}):
-            self._num_staged.fill_(1)
-            self._uses.setdefault(("flush", bucket, width), CAPTURE_AFTER - 1)  # captured at once
-            self._run(("flush", bucket, width), partial(self._flush_staged, bucket, width))
+            self._counts.staged.fill_(1)
+            self.graphs.capture_at_next_use(("flush", bucket, width))
+            self.graphs.run(("flush", bucket, width), partial(self._flush_staged, bucket, width))
             for k in range(K + 1):
                 shape = StepShape(B0, bucket, k, temperature, top_p, stage=not k, width=width)
-                self._uses.setdefault(shape, CAPTURE_AFTER - 1)
+                self.graphs.capture_at_next_use(shape)
                 seconds = []
                 while len(seconds) < MEASURED_STEPS:
-                    self._num_staged.zero_()  # a K = 0 step stages into slot 0
+                    self._counts.staged.zero_()  # a K = 0 step stages into slot 0
                     timer.mark(0)
-                    first = self._run(shape, partial(self._decode_step, shape))
+                    first = self.graphs.run(shape, partial(self._decode_step, shape))
                     timer.mark(1)
                     self._status.tolist()  # the host sync that makes the timer readable
                     if not first:
                         seconds.append(timer.seconds())
                 self.controller.observe_cost(bucket, k, sorted(seconds)[len(seconds) // 2])
-        self._num_staged.zero_()
+        self._counts.staged.zero_()
 
     def _compact(self, B: int, bucket: int) -> None:
         """Move the running rows (in order, then finished ones to fill the bucket) to slots
@@ -856,9 +549,9 @@ class RolloutEngine:
         seed_device = generator.device if generator is not None else "cpu"
         if adaptive and (B, K, temperature, top_p) not in self._measured:
             with self._clock(timing, "measure_s"):
-                self._measure_steps(B, K, temperature, top_p, self._cache_width(P + self.max_k))
+                self._measure_steps(B, K, temperature, top_p, cache_width(self.slots, P + self.max_k))
             self._measured.add((B, K, temperature, top_p))
-        self._unreplayed = 0
+        self.graphs.unreplayed = 0
         self._rng.manual_seed(int(torch.randint(2**62, (), generator=generator, device=seed_device)))
 
         with self._clock(timing, "prefill_s"):
@@ -868,16 +561,17 @@ class RolloutEngine:
             self._limit[:B] = self._lengths[:B] + max_new_tokens
             self._row_of_slot[:B] = torch.arange(B, device=self.device)
             self._eos.fill_(eos_id)
-            width = self._cache_width(P)
-            self._run(("prefill", B, P, K > 0, temperature, top_p, width),
+            width = cache_width(self.slots, P)
+            self.graphs.run(("prefill", B, P, K > 0, temperature, top_p, width),
                       partial(self._prefill, B, P, K > 0, temperature, top_p, width))
 
         start = time.perf_counter()
-        steps_per_k, out_tokens, out_lengths = self._decode(B, K, adaptive, temperature, top_p, total)
+        steps_per_k, out_tokens, out_lengths, status = self._decode(B, K, adaptive, temperature, top_p, total)
         timing["decode_s"] = time.perf_counter() - start
 
-        verify_rows, emitted = int(self._verify_rows), int(self._emitted)
-        accepted, drafted = self._accepted[:K].cpu(), self._drafted[:K].cpu()
+        verify_rows, emitted = status.verify_rows, status.emitted
+        accepted = torch.tensor(status.accepted_per_position[:K], dtype=torch.long)
+        drafted = torch.tensor(status.drafted_per_position[:K], dtype=torch.long)
         response_lengths = out_lengths.cpu() - prompt_lengths
         result = RolloutResult(
             tokens=out_tokens.cpu(), prompt_lengths=prompt_lengths, response_lengths=response_lengths,
@@ -887,14 +581,14 @@ class RolloutEngine:
             drafted_per_position=drafted,
             per_position_acceptance=(accepted.double() / drafted.clamp(min=1).double()).float(),
             steps_per_k=steps_per_k, num_decode_steps=int(steps_per_k.sum()),
-            unreplayed_calls=self._unreplayed, timing=timing,
+            unreplayed_calls=self.graphs.unreplayed, timing=timing,
         )
         result.tokens_per_s = float(response_lengths.sum()) / (time.perf_counter() - wall)
         return result
 
     def _decode(self, B0: int, K: int, adaptive: bool, temperature: float, top_p: float, total: int):
         """Decode steps until every row has finished: (steps per draft length [K + 1], tokens
-        [B0, total] and lengths [B0] of the rows, on the device)."""
+        [B0, total] and lengths [B0] of the rows, on the device, and the last StepStatus)."""
         out_tokens = torch.empty(B0, total, dtype=torch.long, device=self.device)
         out_lengths = torch.empty(B0, dtype=torch.long, device=self.device)
 
@@ -907,34 +601,31 @@ class RolloutEngine:
         timer = StepTimer(self.device)
         if adaptive:
             self.controller.new_call()
-        B, num_staged = B0, 0
-        status = self._status.tolist()
-        while status[0]:  # running rows, read once per step: the loop's one host sync
-            bucket = self._bucket(status[0], B)
+        B, status = B0, StepStatus.read(self._status, self.max_k)
+        while status.running:
+            bucket = self._bucket(status.running, B)
             if bucket < B:
                 save(B)  # finished rows keep their output; their slots get reused
                 self._compact(B, bucket)
                 B = bucket
             k = self.controller.choose(B, K) if adaptive else K
             # Every slot this step (or a flush) writes or reads lies below the longest row's length
-            # (status[3]) + max_k: the verify window, the draft's branch and trunk slots.
-            width = self._cache_width(status[3] + self.max_k)
+            # + max_k: the verify window, the draft's branch and trunk slots.
+            width = cache_width(self.slots, status.longest + self.max_k)
             timer.mark(0)
             first = False  # a flush is timed with the step it precedes: part of the cost of drafting again
-            if num_staged and (k or num_staged == self.max_k + 1):
-                first = self._run(("flush", B, width), partial(self._flush_staged, B, width))
-                num_staged = 0
+            if status.staged and (k or status.staged == self.max_k + 1):
+                first = self.graphs.run(("flush", B, width), partial(self._flush_staged, B, width))
             shape = StepShape(B0, B, k, temperature, top_p, stage=adaptive and not k, width=width)
-            first |= self._run(shape, partial(self._decode_step, shape))
+            first |= self.graphs.run(shape, partial(self._decode_step, shape))
             timer.mark(1)
-            num_staged += shape.stage
             steps_per_k[k] += 1
-            previous, status = status, self._status.tolist()
+            previous, status = status, StepStatus.read(self._status, self.max_k)  # the loop's one host sync
             if adaptive and not first:
                 self.controller.observe_cost(B, k, timer.seconds())
             if adaptive and k:  # this step's counts per draft position
-                head, mid = STATUS_COUNTS, STATUS_COUNTS + self.max_k
-                self.controller.observe_acceptance([a - b for a, b in zip(status[head:mid], previous[head:mid])],
-                                                   [a - b for a, b in zip(status[mid:], previous[mid:])])
+                self.controller.observe_acceptance(
+                    [a - b for a, b in zip(status.accepted_per_position, previous.accepted_per_position)],
+                    [a - b for a, b in zip(status.drafted_per_position, previous.drafted_per_position)])
         save(B)
-        return steps_per_k, out_tokens, out_lengths
+        return steps_per_k, out_tokens, out_lengths, status

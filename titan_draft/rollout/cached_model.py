@@ -1,0 +1,221 @@
+"""The policy and the EAGLE-3 draft run against static KV caches: the rollout engine's forwards.
+
+Written against torchtitan's model fields (layers, attention's wq / wk / wv / wo, q_norm / k_norm,
+the RoPE buffer): `CachedModels.policy_forward` is torchtitan's forward with the attention op
+replaced by a write into a static cache and attention over its slots (cache slot = RoPE position =
+token column). The draft's cache follows titan_draft/models/draft.py's conventions (docs/DESIGN.md
+2.8): `draft_extend` writes pass-1 ("trunk") keys at anchors, `draft_pass` pass k's branch key.
+
+Attention reads only the first `width` slots of a cache, the live part: `cache_width` picks the
+smallest of a few widths (the whole cache, then halvings) that holds what a step needs, so a call
+runs in a few static shapes. Multi-query attention (verify windows, the draft's trunk extension)
+folds GQA heads into query rows for the memory-efficient kernel (`_attend`, docs/DESIGN.md 4.4).
+"""
+from contextlib import contextmanager
+from dataclasses import replace
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from titan_draft import _compat  # noqa: F401  (before torchtitan)
+from titan_draft.models.draft import DraftArgs, EagleDraft
+from titan_draft.models.families import family_of_args
+
+# Distinct attended cache widths: the full cache, then halvings (see cache_width).
+CACHE_WIDTH_LEVELS = 6
+# (row, kv head) pairs from which multi-query attention is folded: on the H200, 64 pairs (16 rows x
+# 4 kv heads) ran at 0.6-0.7x SDPA's cuDNN, 256 pairs at 1.4-3.5x (bench/results/decode_attention_h200.json).
+FOLDED_MIN_ROW_HEADS = 128
+# Multi-query cached attention: the memory-efficient kernel (math where it does not run: float64).
+_MULTI_QUERY_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@contextmanager
+def _default_dtype(dtype):
+    """Build modules with parameters in dtype; rope tables keep the float32 their code asks for."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _attend(q, k_cache, v_cache, mask, scale=None):
+    """q [B, S, Hq, D] against a static cache [B, L, Hkv, D] under mask [B, S, L].
+
+    SDPA with enable_gqa, except for several queries per row on CUDA (verify windows, the draft's
+    trunk extension) over many (row, kv head) pairs: there cuDNN, SDPA's choice on Hopper, ran its
+    S >= 2 kernel at 1.4-3.5x the time of `_attend_folded` (bench/decode_attention.py), which
+    only loses where too few pairs fill the GPU.
+    """
+    B, S = q.shape[:2]
+    if S > 1 and q.device.type == "cuda" and B * k_cache.shape[2] >= FOLDED_MIN_ROW_HEADS:
+        return _attend_folded(q, k_cache, v_cache, mask, scale)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                         attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=q.shape[2] != k_cache.shape[2])
+    return out.transpose(1, 2)
+
+
+def _attend_folded(q, k_cache, v_cache, mask, scale=None):
+    """_attend with the G = Hq / Hkv query heads that share a kv head as G * S query rows of that
+    head, through the memory-efficient kernel (which takes no GQA; math where it does not run)."""
+    B, S, Hq, D = q.shape
+    Hkv, L = k_cache.shape[2], mask.shape[-1]
+    G = Hq // Hkv
+    folded = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)
+    folded_mask = mask[:, None, None].expand(B, 1, G, S, L).reshape(B, 1, G * S, L)
+    with sdpa_kernel(_MULTI_QUERY_BACKENDS):
+        out = F.scaled_dot_product_attention(folded, k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                             attn_mask=folded_mask, scale=scale)
+    return out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, Hq, D)
+
+
+def _visible(last: torch.Tensor, width: int) -> torch.Tensor:
+    """The attention mask [*last.shape, width] of queries that see cache slots 0..last (every
+    cache holds slot = RoPE position) among the first `width` slots."""
+    return torch.arange(width, device=last.device) <= last[..., None]
+
+
+def cache_width(slots: int, needed: int) -> int:
+    """Cache slots a step attends: the smallest of slots, slots / 2, slots / 4, ... (rounded up,
+    CACHE_WIDTH_LEVELS in all) that holds `needed`. Attention then reads the live part of the
+    caches, not all of it, in a few step shapes (CUDA graphs) per call."""
+    width = slots
+    for _ in range(CACHE_WIDTH_LEVELS - 1):
+        half = -(-width // 2)
+        if half < needed:
+            break
+        width = half
+    return width
+
+
+class CachedModels:
+    """Inference copies of the policy (a torchtitan llama3 / qwen3 model) and of the draft (or
+    none), with their KV caches. The caches come with `allocate` and go with `release`; every
+    forward writes and reads them in place, with no host synchronisation."""
+
+    def __init__(self, policy_args, draft_args: DraftArgs | None, tap_layers, max_slots: int, device, dtype):
+        """max_slots: the most cache slots (RoPE positions) any call uses."""
+        family = family_of_args(policy_args)
+        self._rope, rope_name = family.apply_rotary_emb, family.rope_buffer
+        self.tap_layers = sorted(tap_layers)
+        if draft_args is not None and len(self.tap_layers) != draft_args.n_taps:
+            raise ValueError(f"tap_layers: {len(self.tap_layers)} layers given but the draft reads "
+                             f"{draft_args.n_taps} taps; pass the draft's tap layers")
+        self.device, self.dtype = device, dtype
+        with torch.device(device), _default_dtype(dtype):
+            self.policy = family.model_cls(replace(policy_args, max_seq_len=max_slots))
+        self.policy.eval().requires_grad_(False)
+        self._rope_table = lambda: getattr(self.policy, rope_name)
+        self.draft = None
+        if draft_args is not None:
+            with torch.device(device), _default_dtype(dtype):
+                self.draft = EagleDraft(replace(draft_args, max_seq_len=max_slots))
+            self.draft.eval().requires_grad_(False)
+        self.release()
+
+    def allocate(self, rows: int, slots: int) -> None:
+        """KV caches of `rows` rows of `slots` slots, zeroed."""
+        zeros = partial(torch.zeros, device=self.device, dtype=self.dtype)
+        attn = self.policy.layers["0"].attention
+        cache_shape = (rows, slots, attn.n_kv_heads, attn.head_dim)
+        self.k_cache = [zeros(cache_shape) for _ in self.policy.layers]
+        self.v_cache = [zeros(cache_shape) for _ in self.policy.layers]
+        if self.draft is not None:
+            # Slot = anchor for the trunk; pass k's branch key goes to slot anchor + k - 1 (see draft_pass).
+            args = self.draft.args
+            self.draft_k = zeros(rows, slots, args.n_kv_heads, args.head_dim)
+            self.draft_v = zeros(rows, slots, args.n_kv_heads, args.head_dim)
+
+    def release(self) -> None:
+        self.k_cache, self.v_cache = [], []
+        self.draft_k = self.draft_v = None
+
+    def caches(self) -> list[torch.Tensor]:
+        """Every KV cache, indexed by row (dim 0); none when released."""
+        caches = [*self.k_cache, *self.v_cache]
+        if self.draft is not None and caches:
+            caches += [self.draft_k, self.draft_v]
+        return caches
+
+    # --- the policy ----------------------------------------------------------------------------------
+    def policy_forward(self, tokens: torch.Tensor, positions: torch.Tensor, width: int):
+        """Cached forward of tokens [B, S] at positions [B, S] (cache slot = position).
+
+        Writes their keys/values into the cache, attends slots <= each query's position among the
+        first `width` (every position lies below it), and returns logits [B, S, V], tap features
+        [B, S, n_taps * dim] (tap layers' outputs, ascending) and the token embeddings [B, S, dim].
+        """
+        B = tokens.shape[0]
+        rows = torch.arange(B, device=tokens.device)[:, None]
+        mask = _visible(positions, width)  # [B, S, width]
+        rope = self._rope_table()
+        emb = self.policy.tok_embeddings(tokens)
+        h, taps = emb, []
+        for i, layer in enumerate(self.policy.layers.values()):
+            h = h + self._attention(layer.attention, layer.attention_norm(h), rope, positions, rows, mask,
+                                    self.k_cache[i], self.v_cache[i])
+            ffn = layer.moe if getattr(layer, "moe_enabled", False) else layer.feed_forward
+            h = h + ffn(layer.ffn_norm(h))
+            if i in self.tap_layers:
+                taps.append(h)
+        logits = self.policy.output(self.policy.norm(h))
+        return logits, torch.cat(taps, dim=-1), emb
+
+    def _attention(self, attn, x, rope, positions, rows, mask, k_cache, v_cache):
+        """torchtitan's Attention.forward with the inner op replaced by the static cache."""
+        B, S, _ = x.shape
+        q = attn.wq(x).view(B, S, -1, attn.head_dim)
+        k = attn.wk(x).view(B, S, -1, attn.head_dim)
+        v = attn.wv(x).view(B, S, -1, attn.head_dim)
+        if getattr(attn, "q_norm", None) is not None:  # qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self._rope(q, k, rope, positions)
+        k_cache[rows, positions] = k
+        v_cache[rows, positions] = v
+        width = mask.shape[-1]
+        out = _attend(q, k_cache[:B, :width], v_cache[:B, :width], mask, scale=getattr(attn, "scaling", None))
+        return attn.wo(out.flatten(2))
+
+    # --- the draft -----------------------------------------------------------------------------------
+    def draft_extend(self, next_emb, taps, start, count, width: int):
+        """Pass 1 at anchors start..start+W-1 of each row (the first count[b] are real).
+
+        next_emb [B, W, dim]: policy embeddings of x_{i+1}; taps [B, W, n_taps * dim]: taps at i.
+        Writes their trunk keys and returns pass 1's hidden at the last real anchor, [B, dim].
+        width: the cache slots attention reads, above every anchor.
+        """
+        B, W, _ = next_emb.shape
+        rows = torch.arange(B, device=next_emb.device)
+        anchors = start[:, None] + torch.arange(W, device=next_emb.device)
+        hidden = self.draft.fc(taps)
+        q, k, v = self.draft.project_qkv(next_emb.flatten(0, 1), hidden.flatten(0, 1), anchors.flatten())
+        self.draft_k[rows[:, None], anchors] = k.view(B, W, *k.shape[1:])
+        self.draft_v[rows[:, None], anchors] = v.view(B, W, *v.shape[1:])
+        mask = _visible(anchors, width)  # trunk slots <= anchor
+        out = _attend(q.view(B, W, *q.shape[1:]), self.draft_k[:B, :width], self.draft_v[:B, :width], mask)
+        hidden = self.draft.complete(out, hidden)
+        return hidden[rows, count - 1]
+
+    def draft_pass(self, k: int, emb, hidden, anchor, width: int):
+        """Pass k >= 2 at anchor [B]: input e(t_{k-1}) [B, dim] and pass k-1's hidden [B, dim];
+        returns pass k's hidden [B, dim]. width: the cache slots attention reads.
+
+        Its key goes to slot anchor + k - 1, its RoPE position, so that slots <= anchor + k - 1
+        are exactly what pass k attends: the trunk (anchors <= anchor) and passes 2..k's branch keys.
+        Those slots belong to anchors whose next token is not known yet: garbage under the rollback
+        rule, overwritten by the trunk extension after the verify step.
+        """
+        B = emb.shape[0]
+        rows = torch.arange(B, device=emb.device)
+        slot = anchor + k - 1
+        q, key, value = self.draft.project_qkv(emb, hidden, slot)
+        self.draft_k[rows, slot] = key
+        self.draft_v[rows, slot] = value
+        mask = _visible(slot[:, None], width)
+        out = _attend(q[:, None], self.draft_k[:B, :width], self.draft_v[:B, :width], mask)
+        return self.draft.complete(out[:, 0], hidden)

@@ -1,0 +1,97 @@
+"""Adaptive K: the number of drafts per decode step with the most expected tokens per second.
+
+`GoodputController` weighs online acceptance rates per draft position against measured seconds
+per step at each (active-row bucket, K); `StepTimer` measures those seconds without adding a host
+synchronisation to the engine's loop (docs/DESIGN.md 4.4).
+"""
+import time
+
+import torch
+
+
+class GoodputController:
+    """The draft length K (0..max_k) of the next decode step: the one with the most expected
+    emitted tokens per second for the current active-row bucket.
+
+    Expected tokens per row-step with K drafts: 1 + sum_{k<K} a_k, where a_k is the measured
+    fraction of row-steps that drafted more than k tokens and accepted more than k; the counts are
+    exponentially decayed once per call (`new_call`) and start from a prior of `prior_steps`
+    row-steps that accepted everything, so that positions left unused long enough get tried again.
+    a_k is made non-increasing in k, as the true rates are. Seconds per step: per (bucket, K) a
+    running mean of measured step times; in a bucket every K gets a measurement (largest K first)
+    before any K is judged. A bucket keeps its last K unless another promises `switch_gain` more
+    tokens per second: measurement noise does not flip K (each new step shape costs a capture).
+    """
+
+    def __init__(self, max_k: int, *, decay: float = 0.5, prior_steps: float = 1.0, cost_weight: float = 0.25,
+                 switch_gain: float = 0.05):
+        self.max_k, self.decay, self.prior_steps, self.cost_weight = max_k, decay, prior_steps, cost_weight
+        self.switch_gain = switch_gain
+        self.last: dict[int, int] = {}
+        """bucket -> the K chosen last."""
+        self.accepted = [0.0] * max_k
+        self.drafted = [0.0] * max_k
+        self.cost: dict[tuple[int, int], float] = {}
+        """(bucket, K) -> seconds per step."""
+
+    def new_call(self) -> None:
+        self.accepted = [self.decay * a for a in self.accepted]
+        self.drafted = [self.decay * d for d in self.drafted]
+
+    def observe_acceptance(self, accepted, drafted) -> None:
+        """Per-position counts of one or more steps (as RolloutResult's *_per_position)."""
+        for k, (a, d) in enumerate(zip(accepted, drafted)):
+            self.accepted[k] += a
+            self.drafted[k] += d
+
+    def observe_cost(self, bucket: int, K: int, seconds: float) -> None:
+        old = self.cost.get((bucket, K))
+        self.cost[bucket, K] = seconds if old is None else old + self.cost_weight * (seconds - old)
+
+    def acceptance_rates(self) -> list[float]:
+        """a_k for k = 0..max_k-1."""
+        rates, bound = [], 1.0
+        for a, d in zip(self.accepted, self.drafted):
+            bound = min(bound, (a + self.prior_steps) / (d + self.prior_steps))
+            rates.append(bound)
+        return rates
+
+    def expected_tokens(self, K: int) -> float:
+        """Expected emitted tokens per row-step with K drafts."""
+        return 1.0 + sum(self.acceptance_rates()[:K])
+
+    def choose(self, bucket: int, max_k: int) -> int:
+        """K in 0..max_k for a step of `bucket` rows."""
+        for K in range(max_k, -1, -1):
+            if (bucket, K) not in self.cost:
+                return K
+        goodput = {K: self.expected_tokens(K) / self.cost[bucket, K] for K in range(max_k + 1)}
+        best = max(goodput, key=goodput.get)
+        last = self.last.get(bucket)
+        if last in goodput and goodput[best] <= (1 + self.switch_gain) * goodput[last]:
+            best = last
+        self.last[bucket] = best
+        return best
+
+
+class StepTimer:
+    """Seconds one decode step took, read after the loop's host sync: CUDA events on CUDA (they add
+    no sync of their own), the host clock elsewhere (where steps run synchronously)."""
+
+    def __init__(self, device: torch.device):
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self.clock = [0.0, 0.0]
+
+    def mark(self, end: int) -> None:
+        """end = 0 before the step, 1 after it."""
+        if self.events is not None:
+            self.events[end].record()
+        else:
+            self.clock[end] = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.events is not None:
+            return self.events[0].elapsed_time(self.events[1]) / 1000
+        return self.clock[1] - self.clock[0]

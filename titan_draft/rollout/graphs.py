@@ -1,0 +1,93 @@
+"""CUDA graphs of the engine's in-place calls (prefill, decode steps, flushes), one per key.
+
+A call is a function of no arguments and no outputs that works on static-shape tensors living in
+engine buffers, with no host synchronisation inside, so it can be captured once and replayed.
+`StepGraphs.run` replays a key's graph once the key has been used CAPTURE_AFTER times and runs it
+eagerly before; elsewhere than CUDA every call runs eagerly. Both run the same code.
+"""
+import torch
+
+# A key (decode-step shape, ...) runs eagerly this many times before it is captured as a CUDA graph.
+CAPTURE_AFTER = 3
+
+
+class CapturedCall:
+    """fn() (no arguments, no outputs: it works on tensors it holds) as a CUDA graph.
+
+    The first call runs fn eagerly on a side stream, as a real call, so that lazy initialisation
+    (cuBLAS handles, allocator growth) happens outside capture; then fn is captured. Every later
+    call replays the graph. Random numbers come from `generator`, registered with the graph so
+    that every replay draws fresh ones. Tensors fn allocates live in `pool` and must not outlive
+    the call (graphs sharing a pool may then replay in any order).
+    """
+
+    def __init__(self, fn, generator: torch.Generator, pool):
+        self.fn, self.generator, self.pool, self.graph = fn, generator, pool, None
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(self.generator)
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.fn()
+        self.graph = graph
+
+
+class StepGraphs:
+    """The captured calls of one engine, by key, and how often each key was used.
+
+    enabled: capture at all (CUDA with cuda_graphs). generator: the engine's generator, whose
+    state every graph registers. The graphs share one private memory pool, taken at the first
+    capture. `uses` outlives `clear()`: a key used CAPTURE_AFTER times is captured again at its
+    next use, not run eagerly first.
+    """
+
+    def __init__(self, enabled: bool, generator: torch.Generator):
+        self.enabled, self.generator = enabled, generator
+        self.steps: dict[object, CapturedCall] = {}
+        self.uses: dict[object, int] = {}
+        self.unreplayed = 0  # run() calls (since the caller last zeroed it) that were not graph replays
+        self.pool = None
+
+    def captured(self, fn):
+        """fn (no arguments, no outputs) as a CapturedCall when enabled, else fn itself."""
+        if not self.enabled:
+            return fn
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return CapturedCall(fn, self.generator, self.pool)
+
+    def run(self, key, fn) -> bool:
+        """fn(), replayed from its CUDA graph once its key has been used CAPTURE_AFTER times (eagerly
+        before: the many (bucket, K) keys a long tail or adaptive K visits only a few times never
+        pay a capture); True when the call was not a replay (not a representative time)."""
+        uses = self.uses.get(key, 0) + 1
+        self.uses[key] = uses
+        if not self.enabled or uses < CAPTURE_AFTER:
+            fn()
+            self.unreplayed += self.enabled
+            return self.enabled
+        if key not in self.steps:
+            self.steps[key] = self.captured(fn)
+            self.steps[key]()
+            self.unreplayed += 1
+            return True
+        self.steps[key]()
+        return False
+
+    def capture_at_next_use(self, key) -> None:
+        """Make key's next run capture it (unless the key has been used before)."""
+        self.uses.setdefault(key, CAPTURE_AFTER - 1)
+
+    def clear(self) -> None:
+        """Drop the graphs, and with the last of them the pool's claim on its memory. A pool whose
+        graphs are gone cannot take new captures: the next capture takes a new one."""
+        self.steps.clear()
+        self.pool = None

@@ -1,0 +1,35 @@
+"""Weight sync: the rollout engine's inference copies <- the trained modules, by parameter name.
+
+The trained modules may be plain, FSDP2/DTensor-sharded, activation-checkpointed or compiled: the
+wrappers' name prefixes are dropped and sharded tensors gathered.
+"""
+from torch import nn
+
+# Wrapper prefixes that checkpointing and torch.compile add to parameter names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def copy_weights(src: nn.Module, dst: nn.Module, what: str) -> None:
+    """dst <- src by parameter name; sharded (DTensor) tensors are gathered (a collective: call on
+    every rank of the mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    dst_state = dst.state_dict()
+    loaded = set()
+    for name, tensor in src.state_dict().items():
+        for prefix in _WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        if name not in dst_state:
+            raise ValueError(f"load_weights: {what} has '{name}', which the engine's {what} lacks; "
+                             f"build the engine with the same model args as the trained {what}")
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        if tensor.shape != dst_state[name].shape:
+            raise ValueError(f"load_weights: {what} '{name}' is {tuple(tensor.shape)} but the engine's is "
+                             f"{tuple(dst_state[name].shape)}; build the engine with the trained {what}'s args")
+        dst_state[name].copy_(tensor)
+        loaded.add(name)
+    missing = sorted(set(dst_state) - loaded)
+    if missing:
+        raise ValueError(f"load_weights: the trained {what} lacks {missing[:3]}...; build the engine "
+                         f"with the same model args as the trained {what}")
