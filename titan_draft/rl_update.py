@@ -1,15 +1,8 @@
 """The RL update of a policy held whole on every rank (one process, FSDP2, TP, CP and their mixes).
 
-Its pipelined twin is parallel/pipeline_rl.PipelinedPolicy; both are "policy holders" with the
-same surface, which is all train.train_step uses:
-  parts / reference_parts   the model parts (here: one) of the policy and of the start-of-RL reference
-                            (no reference parts when nothing reads log p_ref: rl.kl_coef = 0, no metric)
-  optimizer                 torchtitan's OptimizersContainer over `parts`
-  forward_backward(batch)   forwards and backwards of the GRPO loss and the draft's TTT loss -> StepSums
-  rollout_weights(draft)    (policy, draft) to refresh the rollout engine from
-  checkpoint_states()       what the job's checkpoint tracks in RL
-  holds_draft               whether the draft trains on this rank
-  draft_timer               the device time of the draft's part of the step (train_step's draft_time_s)
+Its pipelined twin is parallel/pipeline_rl.PipelinedPolicy; both are policy holders
+(step.PolicyHolder: parts, reference_parts, optimizer, forward_backward, rollout_weights,
+checkpoint_states, holds_draft, draft_timer), which is all train.train_step uses.
 
 Memory: the step runs in micro-batches of whole documents (rl.max_tokens_per_microbatch) whose
 gradients accumulate; the LM head reduces each micro-batch to per-row log-probs (in chunks with

@@ -6,8 +6,10 @@ read a RolloutBatch and return StepSums, from which train.train_step takes its m
 draft's skip decision.
 """
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from titan_draft.cotrain import draft_metrics
 from titan_draft.packing import PackedBatch, pack_documents, trained_rows
@@ -82,3 +84,23 @@ class StepSums:
     def draft_metrics(self) -> dict[str, float]:
         """draft_loss and draft_acc_pass{d} (none without a draft)."""
         return draft_metrics(self.draft) if len(self.draft) else {}
+
+
+class PolicyHolder(Protocol):
+    """What train.train_step and the checkpoint use of a policy holder: rl_update.WholePolicy (one process,
+    FSDP / TP / CP) and parallel/pipeline_rl.PipelinedPolicy (pipeline stages) both are one."""
+
+    parts: list[nn.Module]  # the policy's model parts on this rank
+    reference_parts: list[nn.Module]  # the start-of-RL reference's, or none when nothing reads log p_ref
+    optimizer: object  # torchtitan's OptimizersContainer over `parts`
+    holds_draft: bool  # whether the draft trains on this rank
+    draft_timer: object  # timing.DeviceTimer of the draft's part of the step (train_step's draft_time_s)
+
+    def forward_backward(self, rollouts: RolloutBatch) -> StepSums:
+        """The GRPO loss's and the draft's TTT loss's forwards and backwards over this rank's rollouts."""
+
+    def rollout_weights(self, with_draft: bool) -> tuple:
+        """(policy, draft or None): modules whose state_dict() the rollout engine loads."""
+
+    def checkpoint_states(self) -> dict:
+        """What the job's checkpoint tracks in RL."""

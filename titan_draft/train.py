@@ -35,7 +35,7 @@ from titan_draft.parallel.parallelize import (build_parallel_dims, compute_dtype
 from titan_draft.parallel.pipeline_rl import PipelinedPolicy
 from titan_draft.rl_update import WholePolicy
 from titan_draft.rollout import RolloutEngine
-from titan_draft.step import RolloutBatch
+from titan_draft.step import PolicyHolder, RolloutBatch
 from titan_draft.tasks import Prompts
 from titan_draft.timing import PhasePeak
 from torchtitan.distributed.utils import clip_grad_norm_
@@ -50,7 +50,7 @@ class RLState:
     """Everything an RL step reads or updates."""
 
     job: Job
-    policy: WholePolicy | PipelinedPolicy  # the policy holder
+    policy: PolicyHolder  # WholePolicy or PipelinedPolicy
     draft_opt: DraftOptimizer
     engine: RolloutEngine
     policy_skips_in_a_row: int = 0
