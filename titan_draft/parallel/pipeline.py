@@ -10,10 +10,10 @@ attention is the packed causal ring (cp_branch_attention), the draft shifts with
 Each stage module (TapStage) returns only its usual activation to the schedule and hands its tap
 features (stage 0: the token embeddings first, then its tap layers in ascending order) to the
 TapChannel. The last stage's loss (CoTrainLoss) computes the policy's loss (pluggable: next-token
-cross-entropy on labels, or the RL job's GRPO loss on per-row side data; either travels as the
-schedule's `target`, split into microbatches like labels) and the draft's TTT loss on the
-microbatch's taps, so the draft's backward rides the schedule's backward; the draft is a
-submodule of the last stage, so zero-bubble schedules' split weight pass reaches it too.
+cross-entropy on labels here, or a caller's loss on per-row side data such as the RL job's GRPO
+loss in parallel/pipeline_rl.py; either travels as the schedule's `target`, split into microbatches
+like labels) and the draft's TTT loss on the microbatch's taps, so the draft's backward rides the
+schedule's backward; the draft is a submodule of the last stage, so zero-bubble schedules' split weight pass reaches it too.
 torchtitan's PP path sums microbatch losses unscaled: both losses are divided by their global
 counts over the whole step (all microbatches, all data-parallel replicas), computed before it.
 """
@@ -35,12 +35,10 @@ from torchtitan.distributed.pipeline_parallel import (
 )
 from torchtitan.models.attention import VarlenMetadata
 
-from titan_draft.grpo import grpo_objective, next_token_logprobs
 from titan_draft.cotrain import CoTrainSpec, DraftFeatures, draft_loss, valid_pairs
 from titan_draft.models.draft import EagleDraft, Teacher
 from titan_draft.models.policy import TapRecorder
 from titan_draft.ops import branch_attention
-from titan_draft.ops.linear_logprobs import logits_token_outputs
 from titan_draft.parallel.cp_attention import CpGroup, cp_branch_attention
 from titan_draft.packing import DocumentShift
 from titan_draft.parallel.halo import HaloShift
@@ -173,45 +171,6 @@ class CrossEntropyLoss:
         return loss, loss.detach()[None]
 
 
-# Columns of the RL target [B, S, 4] (float32: token ids stay exact below 2**24).
-NEXT_TOKEN, RESPONSE, ADVANTAGE, REF_LOGPROB = range(4)
-
-
-def grpo_target(next_tokens, response_mask, advantages, ref_logprobs) -> torch.Tensor:
-    """The per-row side data of the GRPO loss as one [B, S, 4] tensor, which the schedule splits into
-    microbatches along B like labels (torch pipelining takes one target tensor)."""
-    return torch.stack([next_tokens.float(), response_mask.float(), advantages.float(), ref_logprobs.float()], -1)
-
-
-class GRPOLoss:
-    """Policy loss of the RL step on a grpo_target: titan_draft.grpo.grpo_objective (on-policy clipped
-    surrogate + optional KL to the reference), normalised by the step's global count of response rows.
-    has_reference=False: the target's REF_LOGPROB column is unused (no KL term, no KL sum)."""
-
-    def __init__(self, clip_eps: float, kl_coef: float, has_reference: bool = True):
-        self.clip_eps, self.kl_coef, self.has_reference = clip_eps, kl_coef, has_reference
-
-    def trained(self, target: torch.Tensor) -> torch.Tensor:
-        return target[..., RESPONSE] > 0
-
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor):
-        """(loss, detached sums [loss, entropy, log p - log p_ref, clipped rows])."""
-        rows = target.flatten(0, 1)
-        response = rows[:, RESPONSE] > 0
-        rows = rows[response]
-        outputs = logits_token_outputs(logits.flatten(0, 1)[response], rows[:, NEXT_TOKEN].long())
-        ref_logprobs = rows[:, REF_LOGPROB] if self.has_reference else None
-        return grpo_objective(outputs, rows[:, ADVANTAGE], ref_logprobs, self.clip_eps, self.kl_coef, count)
-
-
-class NextTokenLogprobs:
-    """The 'loss' of a forward-only pipeline run: log p(next token) [B, S] of the microbatch (the
-    schedule collects it per microbatch), from target = next tokens [B, S]."""
-
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return next_token_logprobs(logits.flatten(0, 1), target.flatten()).view(target.shape)
-
-
 class TapStage(nn.Module):
     """One pipeline stage of the policy: its usual activation to the schedule, its taps to the channel."""
 
@@ -245,8 +204,8 @@ class CoTrainLoss:
 
     Called by the schedule as loss_fn(logits [B, S, V], target) once per microbatch, in microbatch
     order; takes that microbatch's features from every producer stage (ascending). `policy_loss`
-    (CrossEntropyLoss, GRPOLoss) reads its target and says which rows are trained (they are the
-    draft's trained rows too). Without a draft (the plain-policy twin) it is the policy's loss alone.
+    (CrossEntropyLoss, pipeline_rl.GRPOLoss) reads its target and says which rows are trained (they
+    are the draft's trained rows too). Without a draft (the plain-policy twin) it is the policy's loss alone.
     Per step it accumulates the policy loss's metric sums and the draft's per-pass statistics; the
     returned loss is multiplied by grad_scale (data-parallel gradient averaging, see parallelize.py).
     train_draft=False (a frozen draft) evaluates the draft without adding its loss.

@@ -7,10 +7,10 @@ the pipelined twin of rl_update.WholePolicy (the same surface; train.train_step 
   (FSDP2 over dp_shard x cp, per part, the torchtitan way; CP attention installed once). The draft
   stays whole on the last stage.
 - The reference policy (KL penalty, or the kl_to_start metric when asked for) is split the same way,
-  in the compute dtype, and runs forward-only through its own schedule (schedule.eval): each rank
+  in rl_update.reference_dtype, and runs forward-only through its own schedule (schedule.eval): each rank
   holds only its stages of it.
 - forward_backward: reference log-probs, then the co-training schedule with the GRPO loss
-  (pipeline.GRPOLoss, the same grpo_objective as WholePolicy) plus the draft's TTT loss on the last
+  (GRPOLoss below, the same grpo_objective as WholePolicy) plus the draft's TTT loss on the last
   stage. Its sums are shared over the loss group and then the pp group, so every rank returns the
   step's StepSums; clipping (over all stages), the optimizer step and the draft's step are train_step's.
 - Rollouts need the whole policy on every rank: each pp rank contributes its parts' full state,
@@ -24,18 +24,17 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from titan_draft import _compat
+from titan_draft.grpo import grpo_objective, next_token_logprobs
 from titan_draft.io import full_state_dict
 from titan_draft.models.policy import cast_parameters, job_model_args, policy_from_args
+from titan_draft.ops.linear_logprobs import logits_token_outputs
 from titan_draft.parallel.context_parallel import apply_context_parallel
 from titan_draft.parallel.parallelize import (apply_activation_checkpointing, cp_mesh, loss_scale,
                                               parallelize_policy, sum_over_dp)
 from titan_draft.parallel.pipeline import (
-    GRPOLoss,
-    NextTokenLogprobs,
     PipelineSetup,
     build_pipeline_cotrain,
     build_policy_pipeline,
-    grpo_target,
     last_stage_pp_rank,
     split_policy,
 )
@@ -44,6 +43,45 @@ from titan_draft.step import RolloutBatch, StepSums
 from titan_draft.timing import DeviceTimer
 from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.config import TORCH_DTYPE_MAP
+
+
+# Columns of the RL target [B, S, 4] (float32: token ids stay exact below 2**24).
+NEXT_TOKEN, RESPONSE, ADVANTAGE, REF_LOGPROB = range(4)
+
+
+def grpo_target(next_tokens, response_mask, advantages, ref_logprobs) -> torch.Tensor:
+    """The per-row side data of the GRPO loss as one [B, S, 4] tensor, which the schedule splits into
+    microbatches along B like labels (torch pipelining takes one target tensor)."""
+    return torch.stack([next_tokens.float(), response_mask.float(), advantages.float(), ref_logprobs.float()], -1)
+
+
+class GRPOLoss:
+    """Policy loss of the RL step on a grpo_target: titan_draft.grpo.grpo_objective (on-policy clipped
+    surrogate + optional KL to the reference), normalised by the step's global count of response rows.
+    has_reference=False: the target's REF_LOGPROB column is unused (no KL term, no KL sum)."""
+
+    def __init__(self, clip_eps: float, kl_coef: float, has_reference: bool = True):
+        self.clip_eps, self.kl_coef, self.has_reference = clip_eps, kl_coef, has_reference
+
+    def trained(self, target: torch.Tensor) -> torch.Tensor:
+        return target[..., RESPONSE] > 0
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor):
+        """(loss, detached sums [loss, entropy, log p - log p_ref, clipped rows])."""
+        rows = target.flatten(0, 1)
+        response = rows[:, RESPONSE] > 0
+        rows = rows[response]
+        outputs = logits_token_outputs(logits.flatten(0, 1)[response], rows[:, NEXT_TOKEN].long())
+        ref_logprobs = rows[:, REF_LOGPROB] if self.has_reference else None
+        return grpo_objective(outputs, rows[:, ADVANTAGE], ref_logprobs, self.clip_eps, self.kl_coef, count)
+
+
+class NextTokenLogprobs:
+    """The 'loss' of a forward-only pipeline run: log p(next token) [B, S] of the microbatch (the
+    schedule collects it per microbatch), from target = next tokens [B, S]."""
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return next_token_logprobs(logits.flatten(0, 1), target.flatten()).view(target.shape)
 
 
 def pipeline_replicas(dims) -> list[list[int]]:
