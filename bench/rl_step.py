@@ -37,8 +37,7 @@ import torch
 
 from bench._common import REPO_ROOT, alternate, environment, write_json
 from bench._job import add_job_arguments, job_config, resolve_preset, warm_started_job
-from titan_draft.timing import PhasePeak
-from titan_draft.train import RLState, collect_rollouts, spec_metrics, train_step
+from titan_draft.train import RLState, rollouts_and_update, spec_metrics
 
 # The test's preset: the default job's config at the sizes of tests/test_rl_step.py.
 TINY_OVERRIDES = ["--model.flavor", "tiny_gqa", "--training.seq_len", "16", "--task.num_items", "2",
@@ -85,12 +84,17 @@ def clone_generator(g: torch.Generator) -> torch.Generator:
     return clone
 
 
-def mode_state(job, draft_opt, mode: str) -> RLState:
+def mode_state(job, draft_opt, mode: str, device: torch.device | None = None) -> RLState:
     """The RL state of [draft] mode `mode` on copies of the warm-started models, draft optimizer and
-    data streams (every mode starts RL from the same trained state and draws the same prompts)."""
+    data streams (every mode starts RL from the same trained state and draws the same prompts); the
+    copies moved to `device` when given (the warm start held elsewhere)."""
     cfg = copy.deepcopy(job.cfg)
     cfg.draft.mode = mode
     policy, draft, optimizer = copy.deepcopy((job.policy, job.draft, draft_opt))  # the optimizer keeps its draft
+    if device is not None:
+        policy.to(device)
+        draft.to(device)
+        optimizer.optimizer.load_state_dict(optimizer.optimizer.state_dict())  # its state follows the params
     generators = {name: clone_generator(g) for name, g in job.generators.items()}
     return RLState.create(dataclasses.replace(job, cfg=cfg, policy=policy, draft=draft, generators=generators),
                           optimizer)
@@ -104,17 +108,9 @@ def one_mode(job, draft_opt, mode: str, rounds: int, report) -> list:
     job.policy.to("cpu")
     job.draft.to("cpu")
     draft_opt.optimizer.load_state_dict(draft_opt.optimizer.state_dict())  # its state follows the params
-    policy, draft, optimizer = copy.deepcopy((job.policy, job.draft, draft_opt))
-    policy.to(device)
-    draft.to(device)
-    optimizer.optimizer.load_state_dict(optimizer.optimizer.state_dict())
-    cfg = copy.deepcopy(job.cfg)
-    cfg.draft.mode = mode
-    generators = {name: clone_generator(g) for name, g in job.generators.items()}
-    state = RLState.create(dataclasses.replace(job, cfg=cfg, policy=policy, draft=draft, generators=generators),
-                           optimizer)
+    state = mode_state(job, draft_opt, mode, device)
     steps = alternate({mode: step_of(state)}, rounds, device, report=report)[mode]
-    del state, policy, draft, optimizer
+    del state
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -122,19 +118,16 @@ def one_mode(job, draft_opt, mode: str, rounds: int, report) -> list:
 
 
 def step_of(state: RLState):
-    """One RL step of `state` (collect_rollouts + train_step) returning what the bench reports of it."""
+    """One RL step of `state` (collect_rollouts + train_step) returning what the bench reports of it (peak
+    memory per phase: None off CUDA)."""
     def step() -> dict:
-        memory = PhasePeak(state.job.device), PhasePeak(state.job.device)
-        with memory[0]:
-            rollouts = collect_rollouts(state)
-        with memory[1]:
-            stats = train_step(state, rollouts)
+        rollouts, stats = rollouts_and_update(state)
         m = rollouts.metrics
         record = {"rollout_s": m["rollout_time_s"], "train_s": stats["train_time_s"],
                   "draft_s": stats.get("draft_time_s", 0.0), "acceptance_length": m["tokens_per_verify_forward"],
                   "generated_tokens": int(rollouts.response_lengths.sum()), "response_len_max": m["response_len_max"],
                   "rollout_tokens_per_s": m["rollout_tokens_per_s"], "reward_mean": stats["reward_mean"],
-                  "memory_peak_gib_rollout": memory[0].gib, "memory_peak_gib_train": memory[1].gib,
+                  **{key: stats.get(key) for key in ("memory_peak_gib_rollout", "memory_peak_gib_train")},
                   "draft_acc_pass1": stats.get("draft_acc_pass1"),
                   **{key: m[key] for key in ("rollout_weights_s", "rollout_measure_s", "rollout_prefill_s",
                                              "rollout_decode_s", "rollout_unreplayed_calls")}}

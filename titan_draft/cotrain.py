@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_draft.models.draft import EagleDraft, Teacher, ttt_loss
-from titan_draft.packing import PackedBatch, document_lengths, microbatch_ranges
+from titan_draft.packing import PackedBatch, microbatch_ranges
 
 
 @dataclass
@@ -79,8 +79,7 @@ def draft_backward(draft: EagleDraft, features: DraftFeatures, spec: CoTrainSpec
     must run as many micro-batches (packing.microbatch_ranges)."""
     total = torch.zeros((), device=features.emb.device)
     per_pass = torch.zeros(spec.ttt_steps, 3, dtype=torch.float64, device=features.emb.device)
-    lengths = document_lengths(features.batch)
-    for index in microbatch_ranges(lengths, max_tokens, group=group):
+    for index in microbatch_ranges(features.batch.document_lengths(), max_tokens, group=group):
         with torch.set_grad_enabled(train):
             loss, stats = draft_loss(draft, features.documents(index), spec, count=count, scale=scale)
         if train:

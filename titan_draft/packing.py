@@ -49,6 +49,10 @@ class PackedBatch:
         return PackedBatch(self.tokens[rows], self.positions[rows], cu_seqlens_from_lengths(lengths),
                            self.loss_mask[rows], int(lengths.max())), rows
 
+    def document_lengths(self) -> list[int]:
+        """The lengths of the batch's documents (a context-parallel shard: of the whole documents)."""
+        return self.cu_seqlens.diff().tolist()
+
     def shift(self, max_shift: int) -> "DocumentShift":
         """shift(x, d) for d <= max_shift: row t reads row t + d of its document (the draft's targets)."""
         return DocumentShift(self.cu_seqlens)
@@ -114,11 +118,6 @@ def pack_documents(documents: list[torch.Tensor], prompt_lengths: torch.Tensor) 
     lengths = torch.tensor([len(doc) for doc in documents])
     mask = trained_rows(torch.as_tensor(prompt_lengths), lengths, int(lengths.max()))
     return pack(list(documents), [m[:n] for m, n in zip(mask, lengths.tolist())])
-
-
-def document_lengths(batch: PackedBatch) -> list[int]:
-    """The lengths of a batch's documents (their real lengths when it is a context-parallel shard)."""
-    return getattr(batch, "doc_lengths", batch.cu_seqlens.diff()).tolist()
 
 
 def microbatch_ranges(lengths: list[int], max_tokens: int, group=None) -> list[range]:

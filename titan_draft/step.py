@@ -33,7 +33,7 @@ class RolloutBatch:
     def select(self, documents: range | torch.Tensor) -> "RolloutBatch":
         """Documents `documents` (a range, or ascending indices) as a batch of their own; the draft's
         documents among them renumbered."""
-        index = torch.as_tensor(documents) if isinstance(documents, range) else documents
+        index = torch.as_tensor(documents)
         drawn = None
         if self.draft_documents is not None:
             drawn = torch.isin(index, self.draft_documents).nonzero().flatten()

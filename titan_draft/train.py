@@ -188,16 +188,22 @@ def train_step(s: RLState, r: Rollouts) -> dict:
     return metrics
 
 
-def rl_step(s: RLState, step: int) -> dict:
-    """RL step `step` (see the module docstring); returns its metrics (on CUDA with the peak memory of
-    each phase: memory_peak_gib_rollout, memory_peak_gib_train, this rank's)."""
+def rollouts_and_update(s: RLState) -> tuple[Rollouts, dict]:
+    """collect_rollouts then train_step: (the rollouts, the training metrics), the latter on CUDA with the
+    peak memory of each phase (memory_peak_gib_rollout, memory_peak_gib_train, this rank's)."""
     with PhasePeak(s.job.device) as rollout_memory:
         rollouts = collect_rollouts(s)
     with PhasePeak(s.job.device) as train_memory:
         trained = train_step(s, rollouts)
-    metrics = {**mean_over_dp(rollouts.metrics, s.job.dims), **trained}
     if rollout_memory.gib is not None:
-        metrics.update(memory_peak_gib_rollout=rollout_memory.gib, memory_peak_gib_train=train_memory.gib)
+        trained.update(memory_peak_gib_rollout=rollout_memory.gib, memory_peak_gib_train=train_memory.gib)
+    return rollouts, trained
+
+
+def rl_step(s: RLState, step: int) -> dict:
+    """RL step `step` (see the module docstring); returns its metrics."""
+    rollouts, trained = rollouts_and_update(s)
+    metrics = {**mean_over_dp(rollouts.metrics, s.job.dims), **trained}
     if s.cfg.draft.mode != "none":
         metrics.update(spec_metrics(sum_over_dp(rollouts.counts.to(s.job.device), s.job.dims).cpu()))
     _dump_samples(s, rollouts, step)

@@ -45,7 +45,7 @@ def next_token_loss_backward(policy, batch: PackedBatch, run: WarmStartRun) -> t
     micro-batch by micro-batch; returns it detached. Every rank holds the same batch (FSDP averages)."""
     count = batch.loss_mask.sum().clamp(min=1)
     total = torch.zeros((), device=batch.tokens.device)
-    for index in microbatch_ranges(batch.cu_seqlens.diff().tolist(), run.max_tokens):
+    for index in microbatch_ranges(batch.document_lengths(), run.max_tokens):
         micro, _ = batch.documents(torch.arange(index.start, index.stop))
         with run.amp:
             loss = -token_outputs(policy, micro, response_request(micro, run.chunk_size)).logprobs.sum() / count

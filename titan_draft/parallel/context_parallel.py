@@ -67,6 +67,9 @@ class ContextShard(PackedBatch):
                             doc_lengths=self.doc_lengths[index.to(self.doc_lengths.device)], cp_mesh=self.cp_mesh,
                             mode=self.mode), rows
 
+    def document_lengths(self) -> list[int]:
+        return self.doc_lengths.tolist()
+
     def shift(self, max_shift: int) -> HaloShift:
         return HaloShift(self.global_cu_seqlens, self.cp_mesh, max_shift, doc_lengths=self.doc_lengths)
 
