@@ -4,7 +4,8 @@ write the JSON their README tables are made from:
     subset of them, --modes);
 (b) bench.rollout_speedup --preset smoke: plain, every fixed K and adaptive K per batch size;
 (c) bench.branch_attention on CPU: the row fields of bench/results/branch_attention_h200.json;
-(d) bench.linear_logprobs --device cpu --tiny: dense, chunked and (CUDA only) liger side by side.
+(d) bench.linear_logprobs --device cpu --tiny: dense, chunked and (CUDA only) liger side by side;
+(e) bench.decode_step --preset smoke: plain, verify and whole decode-step costs per batch size.
 """
 import json
 import os
@@ -76,7 +77,25 @@ def test_rollout_speedup_bench_smoke(tmp_path):
         fixed_steps = columns[f"K={k_max}"]["steps_per_k"]
         assert fixed_steps[:k_max] == [0] * k_max and fixed_steps[k_max] > 0  # every step K = K_max
         assert all(c["generated_tokens"] >= row["batch"] for c in columns.values())
-        assert sorted(int(k) for k in row["step_parts_s"]["verify"]) == list(range(k_max + 1))
+        assert sorted(int(k) for k in row["verify_step_ms"]) == list(range(1, k_max + 1))
+        assert sorted(int(k) for k in row["decode_step_ms"]) == list(range(k_max + 1))
+        assert row["plain_step_ms"] > 0 and row["roofline_ms"] is None  # the roofline needs a GPU's bandwidth
+        assert row["plain_step_bytes"] > 0
+
+
+def test_decode_step_bench_smoke(tmp_path):
+    out = tmp_path / "decode_step.json"
+    run_bench("bench.decode_step", "--preset", "smoke", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert [(row["variant"], row["batch"]) for row in report["rows"]] == [("eager", 1), ("eager", 4)]
+    k_max = len(report["rows"][0]["decode_step_ms"]) - 1
+    for row in report["rows"]:
+        verify = {int(k): ms for k, ms in row["verify_step_ms"].items()}
+        assert sorted(verify) == list(range(1, k_max + 1)) and row["plain_step_ms"] > 0
+        assert {int(k): r for k, r in row["verify_over_plain"].items()} == {
+            k: ms / row["plain_step_ms"] for k, ms in verify.items()}
+        # every weight but the embedding table, its B rows, B x context positions of keys and values
+        assert row["plain_step_bytes"] > report["weight_bytes"] // 2
 
 
 def test_branch_attention_bench_rows(tmp_path):

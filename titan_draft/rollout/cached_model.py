@@ -14,9 +14,11 @@ folds GQA heads into query rows for the memory-efficient kernel (`_attend`, docs
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
@@ -93,15 +95,84 @@ def cache_width(slots: int, needed: int) -> int:
     return width
 
 
+class BlockWeights(NamedTuple):
+    """A transformer block's weights in the inference layout: the q, k and v projections as one
+    matrix, the MLP's gate (w1) and up (w3) projections as one, so that a decode step runs 4 GEMMs
+    per block instead of 7 (fewer, larger launches: a batch-1 step is launch-bound). The module's
+    own parameters are views of the fused matrices, so weights loaded by name fill them."""
+    attention_norm: torch.Tensor
+    qkv: torch.Tensor
+    q_norm: torch.Tensor | None
+    """qwen3's per-head RMSNorm weights (None for llama3)."""
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor
+    ffn_norm: torch.Tensor
+    gate_up: torch.Tensor | None
+    """None for a mixture-of-experts block: its MoE module runs as it is."""
+    down: torch.Tensor | None
+
+
+def _fuse_rows(linears: list[nn.Linear]) -> torch.Tensor:
+    """One matrix of the linears' weights stacked by output rows; each linear's weight becomes a
+    view of its rows."""
+    fused = torch.cat([linear.weight.detach() for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+def fuse_block(block) -> BlockWeights:
+    """The inference layout of a torchtitan llama3 / qwen3 TransformerBlock (see BlockWeights)."""
+    attn = block.attention
+    norm = lambda module: None if module is None else module.weight  # noqa: E731
+    dense = not getattr(block, "moe_enabled", False)
+    ffn = block.feed_forward if dense else None
+    return BlockWeights(
+        attention_norm=block.attention_norm.weight, qkv=_fuse_rows([attn.wq, attn.wk, attn.wv]),
+        q_norm=norm(getattr(attn, "q_norm", None)), k_norm=norm(getattr(attn, "k_norm", None)), wo=attn.wo.weight,
+        ffn_norm=block.ffn_norm.weight, gate_up=_fuse_rows([ffn.w1, ffn.w3]) if dense else None,
+        down=ffn.w2.weight if dense else None)
+
+
+def block_forward(h, weights: BlockWeights, rope, positions, rows, mask, k_cache, v_cache, *, rotary, n_heads: int,
+                  n_kv_heads: int, head_dim: int, eps: float, scaling: float | None, ffn=None):
+    """torchtitan's TransformerBlock.forward on BlockWeights, with attention over a static cache:
+    the new keys/values go to slots `positions` of rows `rows`, queries attend under `mask`
+    [B, S, width] (the first width slots). ffn: the MoE module of a block without gate_up."""
+    B, S, dim = h.shape
+    x = F.rms_norm(h, (dim,), weights.attention_norm, eps)
+    q, k, v = F.linear(x, weights.qkv).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
+    q, k, v = q.view(B, S, n_heads, head_dim), k.view(B, S, n_kv_heads, head_dim), v.view(B, S, n_kv_heads, head_dim)
+    if weights.q_norm is not None:  # qwen3
+        q = F.rms_norm(q, (head_dim,), weights.q_norm, eps)
+        k = F.rms_norm(k, (head_dim,), weights.k_norm, eps)
+    q, k = rotary(q, k, rope, positions)
+    k_cache[rows, positions] = k
+    v_cache[rows, positions] = v
+    width = mask.shape[-1]
+    out = _attend(q, k_cache[:B, :width], v_cache[:B, :width], mask, scale=scaling)
+    h = h + F.linear(out.flatten(2), weights.wo)
+    x = F.rms_norm(h, (dim,), weights.ffn_norm, eps)
+    if weights.gate_up is None:
+        return h + ffn(x)
+    gate, up = F.linear(x, weights.gate_up).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, weights.down)
+
+
 class CachedModels:
     """Inference copies of the policy (a torchtitan llama3 / qwen3 model) and of the draft (or
     none), with their KV caches. The caches come with `allocate` and go with `release`; every
     forward writes and reads them in place, with no host synchronisation."""
 
-    def __init__(self, policy_args, draft_args: DraftArgs | None, tap_layers, max_slots: int, device, dtype):
-        """max_slots: the most cache slots (RoPE positions) any call uses."""
+    def __init__(self, policy_args, draft_args: DraftArgs | None, tap_layers, max_slots: int, device, dtype,
+                 compile: bool = False):
+        """max_slots: the most cache slots (RoPE positions) any call uses. compile: torch.compile the
+        policy's block forward (one compiled function serves every block: their weights are inputs)."""
         family = family_of_args(policy_args)
-        self._rope, rope_name = family.apply_rotary_emb, family.rope_buffer
+        rope_name = family.rope_buffer
         self.tap_layers = sorted(tap_layers)
         if draft_args is not None and len(self.tap_layers) != draft_args.n_taps:
             raise ValueError(f"tap_layers: {len(self.tap_layers)} layers given but the draft reads "
@@ -111,6 +182,12 @@ class CachedModels:
             self.policy = family.model_cls(replace(policy_args, max_seq_len=max_slots))
         self.policy.eval().requires_grad_(False)
         self._rope_table = lambda: getattr(self.policy, rope_name)
+        self.block_weights = [fuse_block(block) for block in self.policy.layers.values()]
+        attn = self.policy.layers["0"].attention
+        self._block_shape = dict(rotary=family.apply_rotary_emb, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
+                                 head_dim=attn.head_dim, eps=policy_args.norm_eps,
+                                 scaling=getattr(attn, "scaling", None))
+        self.block = torch.compile(block_forward) if compile else block_forward
         self.draft = None
         if draft_args is not None:
             with torch.device(device), _default_dtype(dtype):
@@ -156,30 +233,13 @@ class CachedModels:
         rope = self._rope_table()
         emb = self.policy.tok_embeddings(tokens)
         h, taps = emb, []
-        for i, layer in enumerate(self.policy.layers.values()):
-            h = h + self._attention(layer.attention, layer.attention_norm(h), rope, positions, rows, mask,
-                                    self.k_cache[i], self.v_cache[i])
-            ffn = layer.moe if getattr(layer, "moe_enabled", False) else layer.feed_forward
-            h = h + ffn(layer.ffn_norm(h))
+        for i, (layer, weights) in enumerate(zip(self.policy.layers.values(), self.block_weights)):
+            h = self.block(h, weights, rope, positions, rows, mask, self.k_cache[i], self.v_cache[i],
+                           **self._block_shape, ffn=layer.moe if weights.gate_up is None else None)
             if i in self.tap_layers:
                 taps.append(h)
         logits = self.policy.output(self.policy.norm(h))
         return logits, torch.cat(taps, dim=-1), emb
-
-    def _attention(self, attn, x, rope, positions, rows, mask, k_cache, v_cache):
-        """torchtitan's Attention.forward with the inner op replaced by the static cache."""
-        B, S, _ = x.shape
-        q = attn.wq(x).view(B, S, -1, attn.head_dim)
-        k = attn.wk(x).view(B, S, -1, attn.head_dim)
-        v = attn.wv(x).view(B, S, -1, attn.head_dim)
-        if getattr(attn, "q_norm", None) is not None:  # qwen3
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self._rope(q, k, rope, positions)
-        k_cache[rows, positions] = k
-        v_cache[rows, positions] = v
-        width = mask.shape[-1]
-        out = _attend(q, k_cache[:B, :width], v_cache[:B, :width], mask, scale=getattr(attn, "scaling", None))
-        return attn.wo(out.flatten(2))
 
     # --- the draft -----------------------------------------------------------------------------------
     def draft_extend(self, next_emb, taps, start, count, width: int):

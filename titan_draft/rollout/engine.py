@@ -55,7 +55,7 @@ temperature, top-p, ...) into a CUDA graph and replayed (graphs.py); elsewhere i
 Both run the same code. The loop reads one small status vector per step (`StepStatus`: running
 rows, the longest row, staged steps, counters). Attention reads only the live part of the caches
 (`cache_width` in cached_model.py). Adaptive K times every step shape of a new batch size once,
-before that call's prefill (`_measure_steps`), so rollouts do not explore (docs/DESIGN.md 4.4).
+before that call's prefill (`measure_steps`), so rollouts do not explore (docs/DESIGN.md 4.4).
 """
 import time
 from contextlib import contextmanager
@@ -178,7 +178,7 @@ class EngineOptions:
     """A RolloutEngine's draft capacity and speed switches (the defaults suit training rollouts).
 
     max_speculative_tokens: the most drafts a step may propose (sizes caches and buffers).
-    compile: torch.compile the policy and draft forwards.
+    compile: torch.compile the policy's block forward and the draft's forwards.
     cuda_graphs: replay prefill and decode steps as CUDA graphs (on CUDA devices; ignored elsewhere).
     compact: move the running rows to the front of the state when they fit a smaller bucket.
     min_bucket: the fewest slots a compacted batch runs in. Below ~16 rows a step costs about the
@@ -205,7 +205,8 @@ class RolloutEngine:
         # Verify windows of finished rows and the last step may run K + 1 slots past a row's budget.
         self.max_slots = max_seq_len + self.max_k + 1
 
-        self.model = CachedModels(policy_args, draft_args, tap_layers, self.max_slots, self.device, dtype)
+        self.model = CachedModels(policy_args, draft_args, tap_layers, self.max_slots, self.device, dtype,
+                                  compile=options.compile)
         self._target_ids = None  # the draft's vocabulary as target ids (load_weights)
 
         # What the loop reads once per step (StepStatus), and its fields as views the steps write.
@@ -219,12 +220,9 @@ class RolloutEngine:
         self._measured: set[tuple] = set()  # (rows, K, temperature, top_p) of adaptive calls measured
         self.buffer_rows = self.slots = 0  # the state buffers' rows and cache slots (none yet)
 
-        self._policy_step, self._draft_extend, self._draft_pass = (
-            self.model.policy_forward, self.model.draft_extend, self.model.draft_pass)
+        self._draft_extend, self._draft_pass = self.model.draft_extend, self.model.draft_pass
         if options.compile:
-            self._policy_step = torch.compile(self.model.policy_forward, dynamic=False)
-            self._draft_extend = torch.compile(self.model.draft_extend, dynamic=False)
-            self._draft_pass = torch.compile(self.model.draft_pass, dynamic=False)
+            self._draft_extend, self._draft_pass = map(torch.compile, (self._draft_extend, self._draft_pass))
 
     # The cached models' modules and KV caches, by the names callers read.
     policy, draft = property(attrgetter("model.policy")), property(attrgetter("model.draft"))
@@ -405,7 +403,7 @@ class RolloutEngine:
         tokens, lengths, done = self._tokens[:B], self._lengths[:B], self._done[:B]
         rows = torch.arange(B, device=tokens.device)
         prompts = self._in_vocab(tokens[:, :P])
-        logits, taps, _ = self._policy_step(prompts, torch.arange(P, device=tokens.device).expand(B, P), width)
+        logits, taps, _ = self.model.policy_forward(prompts, torch.arange(P, device=tokens.device).expand(B, P), width)
         first = sample(probs_from_logits(logits[rows, lengths - 1], temperature, top_p), self._rng)
         tokens[rows, lengths] = first
         lengths += 1
@@ -437,7 +435,7 @@ class RolloutEngine:
             draft_tokens, draft_probs = self._propose(self._hidden[:B], n - 1, K, temperature, top_p, noise,
                                                       shape.width)
             verify_in = torch.cat([verify_in, draft_tokens], dim=1)
-        logits, taps, _ = self._policy_step(verify_in, n[:, None] + window, shape.width)
+        logits, taps, _ = self.model.policy_forward(verify_in, n[:, None] + window, shape.width)
         target_probs = probs_from_logits(logits, temperature, top_p)
         if K:
             num_accepted, out = speculative_accept(draft_tokens, draft_probs, target_probs, noise)
@@ -485,17 +483,21 @@ class RolloutEngine:
         captures graph sets) at most log2(B / min_bucket) times."""
         return min(B, max(self.min_bucket, 1 << (running - 1).bit_length())) if self.compact else B
 
-    def _measure_steps(self, B0: int, K: int, temperature: float, top_p: float, width: int) -> None:
-        """Capture (on CUDA) and time every decode step a call of B0 rows can run at `width`, each
-        active-row bucket with k = 0..K drafts, and give the times to the controller: adaptive K
-        then starts from measured costs. Exploring inside rollouts instead ran each new shape eagerly, then
-        captured it, at tens of ms apiece on the H200, against ~1 ms per replayed step.
-        Runs before the call's prefill on a dummy state (every row finishes at its first step, so
-        no slot past the first few is written) and before the call seeds its generator: the
-        call's tokens do not depend on it."""
+    def measure_steps(self, B0: int, K: int, temperature: float, top_p: float, length: int,
+                      repeats: int = MEASURED_STEPS) -> dict[tuple[int, int], float]:
+        """Capture (on CUDA) and time every decode step a call of B0 rows can run with rows of
+        `length` tokens, each active-row bucket with k = 0..K drafts: {(bucket, k): median seconds
+        of `repeats` replays}, also given to the controller, so that adaptive K starts from
+        measured costs (exploring inside rollouts instead ran each new shape eagerly, then captured
+        it, at tens of ms apiece on the H200, against ~1 ms per replayed step).
+        Runs on a dummy state (every row finishes at its first step, so no slot past length + K is
+        written), before a call's prefill and before the call seeds its generator: the call's
+        tokens do not depend on it. The state buffers must hold B0 rows of length + max_k + 1 slots."""
+        width = cache_width(self.slots, length + self.max_k)
+        costs = {}
         self._tokens[:B0].zero_()
-        self._lengths[:B0] = 1
-        self._limit[:B0] = 2
+        self._lengths[:B0] = length
+        self._limit[:B0] = length + 1
         self._done[:B0] = False
         self._row_of_slot[:B0] = torch.arange(B0, device=self.device)
         self._hidden[:B0].zero_()
@@ -508,7 +510,7 @@ class RolloutEngine:
                 shape = StepShape(B0, bucket, k, temperature, top_p, stage=not k, width=width)
                 self.graphs.capture_at_next_use(shape)
                 seconds = []
-                while len(seconds) < MEASURED_STEPS:
+                while len(seconds) < repeats:
                     self._counts.staged.zero_()  # a K = 0 step stages into slot 0
                     timer.mark(0)
                     first = self.graphs.run(shape, partial(self._decode_step, shape))
@@ -516,8 +518,10 @@ class RolloutEngine:
                     self._status.tolist()  # the host sync that makes the timer readable
                     if not first:
                         seconds.append(timer.seconds())
-                self.controller.observe_cost(bucket, k, sorted(seconds)[len(seconds) // 2])
+                costs[bucket, k] = sorted(seconds)[len(seconds) // 2]
+                self.controller.observe_cost(bucket, k, costs[bucket, k])
         self._counts.staged.zero_()
+        return costs
 
     def _compact(self, B: int, bucket: int) -> None:
         """Move the running rows (in order, then finished ones to fill the bucket) to slots
@@ -549,7 +553,7 @@ class RolloutEngine:
         seed_device = generator.device if generator is not None else "cpu"
         if adaptive and (B, K, temperature, top_p) not in self._measured:
             with self._clock(timing, "measure_s"):
-                self._measure_steps(B, K, temperature, top_p, cache_width(self.slots, P + self.max_k))
+                self.measure_steps(B, K, temperature, top_p, P)
             self._measured.add((B, K, temperature, top_p))
         self.graphs.unreplayed = 0
         self._rng.manual_seed(int(torch.randint(2**62, (), generator=generator, device=seed_device)))
