@@ -104,10 +104,10 @@ def plain_step_bytes(engine: RolloutEngine, batch: int, context: int) -> int:
     return weights + kv
 
 
-def target_call(engine: RolloutEngine, batch: int, k: int, context: int, temperature: float):
-    """The target's work of a step with k drafts, as the engine's step runs it (no host sync): the
-    policy's forward of k + 1 positions after `context` cached ones, then sampling (k = 0) or the
-    acceptance rule against fixed draft proposals."""
+def target_step(engine: RolloutEngine, batch: int, k: int, *, context: int, temperature: float):
+    """The target's work of a step with k drafts, as the engine's step runs it (no host sync), as a
+    `captured` call: the policy's forward of k + 1 positions after `context` cached ones, then
+    sampling (k = 0) or the acceptance rule against fixed draft proposals."""
     device, vocab = engine.device, engine.policy.output.out_features
     tokens = torch.zeros(batch, k + 1, dtype=torch.long, device=device)
     positions = torch.arange(k + 1, device=device) + context - 1
@@ -123,12 +123,20 @@ def target_call(engine: RolloutEngine, batch: int, k: int, context: int, tempera
             speculative_accept(draft_tokens, draft_probs, probs, engine._rng)
         else:
             sample(probs, engine._rng)
-    return call
+    return captured(engine, ("target", batch, k, context, temperature), call)
 
 
-def replay_seconds(fn, engine: RolloutEngine, repeats: int) -> float:
-    """Median seconds of fn() replayed from a CUDA graph (eagerly elsewhere), after a warm-up call."""
-    call = engine.graphs.captured(fn)
+def captured(engine: RolloutEngine, key: tuple, fn):
+    """fn as one of the engine's captured calls under key (the first fn given for a key stays): kept
+    with the engine's own graphs, since a graph of their shared pool must not go while others live."""
+    steps = engine.graphs.steps
+    if key not in steps:
+        steps[key] = engine.graphs.captured(fn)
+    return steps[key]
+
+
+def replay_seconds(call, engine: RolloutEngine, repeats: int) -> float:
+    """Median seconds of call() (a `captured` one: replayed from its CUDA graph on CUDA), after a warm-up call."""
     call()
     times = []
     for _ in range(repeats):
@@ -148,14 +156,13 @@ def replay_seconds(fn, engine: RolloutEngine, repeats: int) -> float:
     return statistics.median(times)
 
 
-def kernel_profile(fn, engine: RolloutEngine, replays: int = 10) -> dict | None:
+def kernel_profile(call, engine: RolloutEngine, replays: int = 10) -> dict | None:
     """One captured call split by kernel kind: {kind: {"ms", "kernels"}} per call, the call's time
     (graph replays back to back) and `idle_ms`, the part of it with no kernel running; None off CUDA."""
     if engine.device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
 
-    call = engine.graphs.captured(fn)
     call()
     synchronize(engine.device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -197,9 +204,9 @@ def step_costs(engine: RolloutEngine, batch: int, context: int, temperature: flo
     plain_step_bytes and roofline_ms (None without a bandwidth) of `engine` at `batch` rows of
     `context` cached tokens. Scribbles on the engine's state: run it between generations."""
     engine._reserve(batch, context + engine.max_k + 1)
-    seconds = partial(replay_seconds, engine=engine, repeats=repeats)
-    plain = seconds(target_call(engine, batch, 0, context, temperature))
-    verify = {k: seconds(target_call(engine, batch, k, context, temperature)) for k in range(1, engine.max_k + 1)}
+    target = partial(target_step, engine, batch, context=context, temperature=temperature)
+    plain = replay_seconds(target(0), engine, repeats)
+    verify = {k: replay_seconds(target(k), engine, repeats) for k in range(1, engine.max_k + 1)}
     steps = engine.measure_steps(batch, engine.max_k, temperature, top_p, context, repeats=repeats)
     nbytes = plain_step_bytes(engine, batch, context)
     roofline_ms = None if bandwidth is None else 1e3 * nbytes / bandwidth
@@ -218,9 +225,9 @@ def measure(cfg, models, a, batch: int, variant: str, bandwidth: float | None) -
     row = dict(variant=variant, batch=batch, context=a.context,
                **step_costs(engine, batch, a.context, T, cfg.rollout.top_p, a.repeats, bandwidth))
     if a.profile:
-        row["profile"] = {
-            "plain": kernel_profile(target_call(engine, batch, 0, a.context, T), engine),
-            f"verify K={engine.max_k}": kernel_profile(target_call(engine, batch, engine.max_k, a.context, T), engine)}
+        target = partial(target_step, engine, batch, context=a.context, temperature=T)
+        row["profile"] = {"plain": kernel_profile(target(0), engine),
+                          f"verify K={engine.max_k}": kernel_profile(target(engine.max_k), engine)}
     return row
 
 

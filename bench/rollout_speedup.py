@@ -16,7 +16,7 @@ roofline) at the plain column's mean step position.
 
   python -m bench.rollout_speedup                      # one H200: arith (default on a GPU)
   python -m bench.rollout_speedup --preset sort        # one H200: sort 20 letters
-  python -m bench.rollout_speedup --preset qwen3_1.7b --compile --warm-start outputs/warm_qwen3_1.7b   # Qwen3-1.7B
+  python -m bench.rollout_speedup --preset qwen3_1.7b --warm-start outputs/warm_qwen3_1.7b   # Qwen3-1.7B
   python -m bench.rollout_speedup --preset cpu         # CPU: the default job's tiny policy, batch 1..64
   python -m bench.rollout_speedup --preset smoke       # CPU, well under a minute: tiny sizes (the test's)
   python -m bench.rollout_speedup --batch-sizes 1 16 256 --repeats 2 -- --rl.sft_steps 3000   # overrides after --
@@ -65,7 +65,6 @@ def parse_args():
     p.add_argument("--part-repeats", type=int, help="timed replays per step cost (bench.decode_step); default 20")
     p.add_argument("--warm-start", help="folder of a saved warm start of this config: loaded if there, else "
                    "written there (SFT and draft warm-up run once for several runs)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the engine's forwards")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the decode steps eagerly on CUDA too")
     p.add_argument("--seed", type=int, default=0, help="prompts of batch size B: seed + B")
     p.add_argument("--out", help="JSON path (default bench/results/rollout_speedup_<device>.json)")
@@ -160,7 +159,7 @@ def main():
     device, k_max = job.device, cfg.rollout.num_speculative_tokens
     engine = RolloutEngine(job.policy.model_args, job.draft.args, job.spec.tap_layers, max(a.batch_sizes),
                            cfg.training.seq_len, device, compute_dtype(cfg.training.mixed_precision_param, device),
-                           options=EngineOptions(max_speculative_tokens=k_max, compile=a.compile,
+                           options=EngineOptions(max_speculative_tokens=k_max, compile=cfg.rollout.compile,
                                                  cuda_graphs=not a.no_cuda_graphs))
     engine.load_weights(job.policy, job.draft)
     policy_params, draft_params = (sum(p.numel() for p in m.parameters()) for m in (job.policy, job.draft))
@@ -168,7 +167,7 @@ def main():
     print(f"warm start {warm_start_s:.1f} s; {cfg.model.name} '{cfg.model.flavor}' policy {policy_params / 1e6:.1f}M "
           f"params, draft {draft_params / 1e6:.1f}M, K_max = {k_max}, task {cfg.task.name} (max "
           f"{cfg.rollout.max_new_tokens or job.task.max_new_tokens} new tokens), {engine.dtype} on {device} "
-          f"({'CUDA graphs' if engine.cuda_graphs else 'eager'}{', compiled' if a.compile else ''})")
+          f"({'CUDA graphs' if engine.cuda_graphs else 'eager'}{', compiled' if engine.compiled else ''})")
     out = a.out or os.path.join(REPO_ROOT, "bench", "results", f"rollout_speedup_{device_tag(device)}.json")
     rows = []
     report = dict(preset=a.preset, config=a.config, overrides=a.overrides, args=vars(a), **environment(),

@@ -51,6 +51,9 @@ class ScheduledK:
     def new_call(self):
         self.step = 0
 
+    def would_draft(self, buckets, max_k):
+        return True  # every call keeps the draft current; the schedule alone picks each step's K
+
     def choose(self, bucket, max_k):
         self.step += 1
         return min(self.schedule[(self.step - 1) % len(self.schedule)], max_k)
@@ -478,7 +481,8 @@ def test_controller_keeps_its_k_against_small_differences():
 
 def test_adaptive_generation_follows_the_cost_table():
     """Through the engine: when drafting is priced out every step runs K = 0 (no draft work, the
-    plain tokens); when drafting is free every step drafts the maximum."""
+    plain tokens) and the call runs as plain decoding (its prefill skips the draft); when drafting
+    is free every step drafts the maximum."""
     _, _, engine = make()
     prompts = variable_prompts([4, 6, 5], seed=11)
     plain = engine.generate(prompts, 12, num_speculative_tokens=0, temperature=0, eos_id=NEVER)
@@ -491,6 +495,8 @@ def test_adaptive_generation_follows_the_cost_table():
         steps = out.steps_per_k.tolist()
         assert steps == ([out.num_decode_steps, 0, 0, 0] if priced_out else [0, 0, 0, out.num_decode_steps])
         assert (out.num_drafts == 0) == priced_out
+        prefills = [key for key in engine.graphs.uses if isinstance(key, tuple) and key[:3] == ("prefill", 3, 6)]
+        assert [key[3] for key in prefills] == [False, True][:2 - priced_out]  # (rows, P, with the draft?)
 
 
 def test_adaptive_first_call_measures_every_step_shape_without_changing_the_samples():

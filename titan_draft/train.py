@@ -34,7 +34,7 @@ from titan_draft.parallel.parallelize import (build_parallel_dims, compute_dtype
                                               init_process_group, mean_over_dp, set_collective_timeout, sum_over_dp)
 from titan_draft.parallel.pipeline_rl import PipelinedPolicy
 from titan_draft.rl_update import WholePolicy
-from titan_draft.rollout import RolloutEngine
+from titan_draft.rollout import EngineOptions, RolloutEngine
 from titan_draft.step import PolicyHolder, RolloutBatch
 from titan_draft.tasks import Prompts
 from titan_draft.timing import PhasePeak
@@ -65,7 +65,8 @@ class RLState:
         engine = RolloutEngine(args, job.draft.args if cfg.draft.mode != "none" else None, job.spec.tap_layers,
                                max_batch_size=cfg.rl.prompts_per_step * cfg.rl.group_size,
                                max_seq_len=cfg.training.seq_len, device=job.device,
-                               dtype=compute_dtype(cfg.training.mixed_precision_param, job.device))
+                               dtype=compute_dtype(cfg.training.mixed_precision_param, job.device),
+                               options=EngineOptions(compile=cfg.rollout.compile))
         draft_opt.set_lr(cfg.draft.cotrain_lr or cfg.draft.lr)  # RL's rate from here on (a resumed state keeps it)
         return cls(job, policy, draft_opt, engine)
 

@@ -6,10 +6,12 @@ replaced by a write into a static cache and attention over its slots (cache slot
 token column). The draft's cache follows titan_draft/models/draft.py's conventions (docs/DESIGN.md
 2.8): `draft_extend` writes pass-1 ("trunk") keys at anchors, `draft_pass` pass k's branch key.
 
-Attention reads only the first `width` slots of a cache, the live part: `cache_width` picks the
-smallest of a few widths (the whole cache, then halvings) that holds what a step needs, so a call
-runs in a few static shapes. Multi-query attention (verify windows, the draft's trunk extension)
-folds GQA heads into query rows for the memory-efficient kernel (`_attend`, docs/DESIGN.md 4.4).
+Attention reads the live part of a cache: on CUDA, steps of up to 16 queries per row go to a
+decode kernel that reads each row's slots up to its last query (ops/decode_attention.py); longer
+calls (prefill) read the first `width` slots, the smallest of a few widths (the whole cache, then
+halvings: `cache_width`) that holds what the call needs, so a call runs in a few static shapes.
+The policy's blocks run on their weights in an inference layout (`BlockWeights`: fused q/k/v and
+gate/up projections) through one `block_forward`, which torch.compile takes once for all blocks.
 """
 from contextlib import contextmanager
 from dataclasses import replace
@@ -24,12 +26,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.models.draft import DraftArgs, EagleDraft
 from titan_draft.models.families import family_of_args
+from titan_draft.ops.decode_attention import decode_attention, decode_attention_reference
 
 # Distinct attended cache widths: the full cache, then halvings (see cache_width).
 CACHE_WIDTH_LEVELS = 6
 # (row, kv head) pairs from which multi-query attention is folded: on the H200, 64 pairs (16 rows x
 # 4 kv heads) ran at 0.6-0.7x SDPA's cuDNN, 256 pairs at 1.4-3.5x (bench/results/decode_attention_h200.json).
 FOLDED_MIN_ROW_HEADS = 128
+# Queries per row up to which CUDA attention runs the decode kernel (ops/decode_attention.py).
+DECODE_KERNEL_MAX_QUERIES = 16
 # Multi-query cached attention: the memory-efficient kernel (math where it does not run: float64).
 _MULTI_QUERY_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -45,21 +50,23 @@ def _default_dtype(dtype):
         torch.set_default_dtype(previous)
 
 
-def _attend(q, k_cache, v_cache, mask, scale=None):
-    """q [B, S, Hq, D] against a static cache [B, L, Hkv, D] under mask [B, S, L].
+def _attend(q, k_cache, v_cache, positions, width: int, scale=None):
+    """q [B, S, Hq, D] at positions [B, S] against a static cache [B', L, Hkv, D] (row b of q is
+    row b of the cache): the query at (b, s) attends slots 0..positions[b, s], all below `width`.
 
-    SDPA with enable_gqa, except for several queries per row on CUDA (verify windows, the draft's
-    trunk extension) over many (row, kv head) pairs: there cuDNN, SDPA's choice on Hopper, ran its
-    S >= 2 kernel at 1.4-3.5x the time of `_attend_folded` (bench/decode_attention.py), which
-    only loses where too few pairs fill the GPU.
+    On CUDA, up to DECODE_KERNEL_MAX_QUERIES queries per row (decode and verify steps, draft passes
+    and trunk extensions) go to the decode kernel, which reads each row's live slots only
+    (ops/decode_attention.py). Longer ones (prefill) take SDPA over the first width slots under a
+    mask, with several queries per row over many (row, kv head) pairs folded (`_attend_folded`):
+    there cuDNN, SDPA's choice on Hopper, ran its S >= 2 kernel at 1.4-3.5x the time of the
+    memory-efficient kernel (bench/decode_attention.py).
     """
     B, S = q.shape[:2]
+    if q.device.type == "cuda" and S <= DECODE_KERNEL_MAX_QUERIES:
+        return decode_attention(q, k_cache, v_cache, positions, scale, width)
     if S > 1 and q.device.type == "cuda" and B * k_cache.shape[2] >= FOLDED_MIN_ROW_HEADS:
-        return _attend_folded(q, k_cache, v_cache, mask, scale)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                                         attn_mask=mask[:, None], scale=scale,
-                                         enable_gqa=q.shape[2] != k_cache.shape[2])
-    return out.transpose(1, 2)
+        return _attend_folded(q, k_cache[:B, :width], v_cache[:B, :width], _visible(positions, width), scale)
+    return decode_attention_reference(q, k_cache[:, :width], v_cache[:, :width], positions, scale)
 
 
 def _attend_folded(q, k_cache, v_cache, mask, scale=None):
@@ -137,11 +144,11 @@ def fuse_block(block) -> BlockWeights:
         down=ffn.w2.weight if dense else None)
 
 
-def block_forward(h, weights: BlockWeights, rope, positions, rows, mask, k_cache, v_cache, *, rotary, n_heads: int,
-                  n_kv_heads: int, head_dim: int, eps: float, scaling: float | None, ffn=None):
+def block_forward(h, weights: BlockWeights, rope, positions, rows, width: int, k_cache, v_cache, *, rotary,
+                  n_heads: int, n_kv_heads: int, head_dim: int, eps: float, scaling: float | None, ffn=None):
     """torchtitan's TransformerBlock.forward on BlockWeights, with attention over a static cache:
-    the new keys/values go to slots `positions` of rows `rows`, queries attend under `mask`
-    [B, S, width] (the first width slots). ffn: the MoE module of a block without gate_up."""
+    the new keys/values go to slots `positions` of rows `rows`, and each query attends the slots
+    up to its position (all below `width`). ffn: the MoE module of a block without gate_up."""
     B, S, dim = h.shape
     x = F.rms_norm(h, (dim,), weights.attention_norm, eps)
     q, k, v = F.linear(x, weights.qkv).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
@@ -152,8 +159,7 @@ def block_forward(h, weights: BlockWeights, rope, positions, rows, mask, k_cache
     q, k = rotary(q, k, rope, positions)
     k_cache[rows, positions] = k
     v_cache[rows, positions] = v
-    width = mask.shape[-1]
-    out = _attend(q, k_cache[:B, :width], v_cache[:B, :width], mask, scale=scaling)
+    out = _attend(q, k_cache, v_cache, positions, width, scale=scaling)
     h = h + F.linear(out.flatten(2), weights.wo)
     x = F.rms_norm(h, (dim,), weights.ffn_norm, eps)
     if weights.gate_up is None:
@@ -229,12 +235,11 @@ class CachedModels:
         """
         B = tokens.shape[0]
         rows = torch.arange(B, device=tokens.device)[:, None]
-        mask = _visible(positions, width)  # [B, S, width]
         rope = self._rope_table()
         emb = self.policy.tok_embeddings(tokens)
         h, taps = emb, []
         for i, (layer, weights) in enumerate(zip(self.policy.layers.values(), self.block_weights)):
-            h = self.block(h, weights, rope, positions, rows, mask, self.k_cache[i], self.v_cache[i],
+            h = self.block(h, weights, rope, positions, rows, width, self.k_cache[i], self.v_cache[i],
                            **self._block_shape, ffn=layer.moe if weights.gate_up is None else None)
             if i in self.tap_layers:
                 taps.append(h)
@@ -256,8 +261,7 @@ class CachedModels:
         q, k, v = self.draft.project_qkv(next_emb.flatten(0, 1), hidden.flatten(0, 1), anchors.flatten())
         self.draft_k[rows[:, None], anchors] = k.view(B, W, *k.shape[1:])
         self.draft_v[rows[:, None], anchors] = v.view(B, W, *v.shape[1:])
-        mask = _visible(anchors, width)  # trunk slots <= anchor
-        out = _attend(q.view(B, W, *q.shape[1:]), self.draft_k[:B, :width], self.draft_v[:B, :width], mask)
+        out = _attend(q.view(B, W, *q.shape[1:]), self.draft_k, self.draft_v, anchors, width)  # trunk slots <= anchor
         hidden = self.draft.complete(out, hidden)
         return hidden[rows, count - 1]
 
@@ -276,6 +280,5 @@ class CachedModels:
         q, key, value = self.draft.project_qkv(emb, hidden, slot)
         self.draft_k[rows, slot] = key
         self.draft_v[rows, slot] = value
-        mask = _visible(slot[:, None], width)
-        out = _attend(q[:, None], self.draft_k[:B, :width], self.draft_v[:B, :width], mask)
+        out = _attend(q[:, None], self.draft_k, self.draft_v, slot[:, None], width)
         return self.draft.complete(out[:, 0], hidden)

@@ -46,7 +46,9 @@ Adaptive K (`generate(adaptive=True)`): before each step `GoodputController` pic
 drafts 0..K with the most expected tokens per second at the current bucket, from online acceptance
 rates per draft position and measured step times per (bucket, K). A K = 0 step runs no draft: it
 stages its taps, and the draft's trunk takes the staged anchors in one pass-1 call before the next
-drafting step (or when max_k + 1 are staged). Any K, at any step, is lossless.
+drafting step (or when max_k + 1 are staged). Any K, at any step, is lossless. A call in which no
+bucket would draft (`GoodputController.would_draft`) runs as plain decoding: no draft prefill, no
+staged taps, so speculation that does not pay costs a call nothing beyond the draft's weight refresh.
 
 Speed: one decode step (draft K tokens, verify, accept, roll back, extend the draft's trunk) is a
 single function of static-shape tensors that live in engine buffers, with no host
@@ -178,7 +180,8 @@ class EngineOptions:
     """A RolloutEngine's draft capacity and speed switches (the defaults suit training rollouts).
 
     max_speculative_tokens: the most drafts a step may propose (sizes caches and buffers).
-    compile: torch.compile the policy's block forward and the draft's forwards.
+    compile: torch.compile the policy's block forward and the draft's forwards (on CUDA devices; ignored
+    elsewhere). The first calls of each new step shape then take seconds to compile.
     cuda_graphs: replay prefill and decode steps as CUDA graphs (on CUDA devices; ignored elsewhere).
     compact: move the running rows to the front of the state when they fit a smaller bucket.
     min_bucket: the fewest slots a compacted batch runs in. Below ~16 rows a step costs about the
@@ -205,8 +208,9 @@ class RolloutEngine:
         # Verify windows of finished rows and the last step may run K + 1 slots past a row's budget.
         self.max_slots = max_seq_len + self.max_k + 1
 
+        compile = self.compiled = options.compile and self.device.type == "cuda"
         self.model = CachedModels(policy_args, draft_args, tap_layers, self.max_slots, self.device, dtype,
-                                  compile=options.compile)
+                                  compile=compile)
         self._target_ids = None  # the draft's vocabulary as target ids (load_weights)
 
         # What the loop reads once per step (StepStatus), and its fields as views the steps write.
@@ -221,7 +225,7 @@ class RolloutEngine:
         self.buffer_rows = self.slots = 0  # the state buffers' rows and cache slots (none yet)
 
         self._draft_extend, self._draft_pass = self.model.draft_extend, self.model.draft_pass
-        if options.compile:
+        if compile:
             self._draft_extend, self._draft_pass = map(torch.compile, (self._draft_extend, self._draft_pass))
 
     # The cached models' modules and KV caches, by the names callers read.
@@ -483,6 +487,10 @@ class RolloutEngine:
         captures graph sets) at most log2(B / min_bucket) times."""
         return min(B, max(self.min_bucket, 1 << (running - 1).bit_length())) if self.compact else B
 
+    def _buckets(self, B0: int) -> list[int]:
+        """Every bucket a call of B0 rows may run in, ascending."""
+        return sorted({self._bucket(running, B0) for running in range(1, B0 + 1)})
+
     def measure_steps(self, B0: int, K: int, temperature: float, top_p: float, length: int,
                       repeats: int = MEASURED_STEPS) -> dict[tuple[int, int], float]:
         """Capture (on CUDA) and time every decode step a call of B0 rows can run with rows of
@@ -502,7 +510,7 @@ class RolloutEngine:
         self._row_of_slot[:B0] = torch.arange(B0, device=self.device)
         self._hidden[:B0].zero_()
         timer = StepTimer(self.device)
-        for bucket in sorted({self._bucket(running, B0) for running in range(1, B0 + 1)}):
+        for bucket in self._buckets(B0):
             self._counts.staged.fill_(1)
             self.graphs.capture_at_next_use(("flush", bucket, width))
             self.graphs.run(("flush", bucket, width), partial(self._flush_staged, bucket, width))
@@ -555,6 +563,11 @@ class RolloutEngine:
             with self._clock(timing, "measure_s"):
                 self.measure_steps(B, K, temperature, top_p, P)
             self._measured.add((B, K, temperature, top_p))
+        drafts = K  # the call's most drafts per step: 0 runs plain decoding (no draft prefill, no taps kept)
+        if adaptive:
+            self.controller.new_call()
+            if not self.controller.would_draft(self._buckets(B), K):
+                drafts, adaptive = 0, False
         self.graphs.unreplayed = 0
         self._rng.manual_seed(int(torch.randint(2**62, (), generator=generator, device=seed_device)))
 
@@ -566,11 +579,11 @@ class RolloutEngine:
             self._row_of_slot[:B] = torch.arange(B, device=self.device)
             self._eos.fill_(eos_id)
             width = cache_width(self.slots, P)
-            self.graphs.run(("prefill", B, P, K > 0, temperature, top_p, width),
-                      partial(self._prefill, B, P, K > 0, temperature, top_p, width))
+            self.graphs.run(("prefill", B, P, drafts > 0, temperature, top_p, width),
+                            partial(self._prefill, B, P, drafts > 0, temperature, top_p, width))
 
         start = time.perf_counter()
-        steps_per_k, out_tokens, out_lengths, status = self._decode(B, K, adaptive, temperature, top_p, total)
+        steps_per_k, out_tokens, out_lengths, status = self._decode(B, K, drafts, adaptive, temperature, top_p, total)
         timing["decode_s"] = time.perf_counter() - start
 
         verify_rows, emitted = status.verify_rows, status.emitted
@@ -590,9 +603,10 @@ class RolloutEngine:
         result.tokens_per_s = float(response_lengths.sum()) / (time.perf_counter() - wall)
         return result
 
-    def _decode(self, B0: int, K: int, adaptive: bool, temperature: float, top_p: float, total: int):
-        """Decode steps until every row has finished: (steps per draft length [K + 1], tokens
-        [B0, total] and lengths [B0] of the rows, on the device, and the last StepStatus)."""
+    def _decode(self, B0: int, K: int, drafts: int, adaptive: bool, temperature: float, top_p: float, total: int):
+        """Decode steps with `drafts` drafts each (adaptive: 0..drafts, chosen per step) until every
+        row has finished: (steps per draft length [K + 1], tokens [B0, total] and lengths [B0] of
+        the rows, on the device, and the last StepStatus)."""
         out_tokens = torch.empty(B0, total, dtype=torch.long, device=self.device)
         out_lengths = torch.empty(B0, dtype=torch.long, device=self.device)
 
@@ -603,8 +617,6 @@ class RolloutEngine:
 
         steps_per_k = torch.zeros(K + 1, dtype=torch.long)
         timer = StepTimer(self.device)
-        if adaptive:
-            self.controller.new_call()
         B, status = B0, StepStatus.read(self._status, self.max_k)
         while status.running:
             bucket = self._bucket(status.running, B)
@@ -612,7 +624,7 @@ class RolloutEngine:
                 save(B)  # finished rows keep their output; their slots get reused
                 self._compact(B, bucket)
                 B = bucket
-            k = self.controller.choose(B, K) if adaptive else K
+            k = self.controller.choose(B, drafts) if adaptive else drafts
             # Every slot this step (or a flush) writes or reads lies below the longest row's length
             # + max_k: the verify window, the draft's branch and trunk slots.
             width = cache_width(self.slots, status.longest + self.max_k)

@@ -60,12 +60,29 @@ class GoodputController:
         """Expected emitted tokens per row-step with K drafts."""
         return 1.0 + sum(self.acceptance_rates()[:K])
 
+    def goodput(self, bucket: int, max_k: int) -> dict[int, float] | None:
+        """Expected tokens per second of a `bucket`-row step per K in 0..max_k; None until every K
+        of the bucket has a measured cost."""
+        if any((bucket, K) not in self.cost for K in range(max_k + 1)):
+            return None
+        return {K: self.expected_tokens(K) / self.cost[bucket, K] for K in range(max_k + 1)}
+
+    def would_draft(self, buckets, max_k: int) -> bool:
+        """Whether some step in one of these buckets would draft (K > 0 has the most goodput, or a
+        K is still unmeasured): a call that would not runs as plain decoding, without the draft's
+        prefill and staged taps. Acceptance counts decay towards the prior's full acceptance
+        (`new_call`), so such calls draft again after a while and measure acceptance afresh."""
+        for bucket in buckets:
+            goodput = self.goodput(bucket, max_k)
+            if goodput is None or max(goodput, key=goodput.get) > 0:
+                return True
+        return False
+
     def choose(self, bucket: int, max_k: int) -> int:
         """K in 0..max_k for a step of `bucket` rows."""
-        for K in range(max_k, -1, -1):
-            if (bucket, K) not in self.cost:
-                return K
-        goodput = {K: self.expected_tokens(K) / self.cost[bucket, K] for K in range(max_k + 1)}
+        goodput = self.goodput(bucket, max_k)
+        if goodput is None:  # largest unmeasured K first
+            return next(K for K in range(max_k, -1, -1) if (bucket, K) not in self.cost)
         best = max(goodput, key=goodput.get)
         last = self.last.get(bucket)
         if last in goodput and goodput[best] <= (1 + self.switch_gain) * goodput[last]:

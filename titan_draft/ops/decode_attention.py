@@ -1,0 +1,153 @@
+"""Decode attention over a static KV cache that reads only each row's live keys (split-K
+"flash-decoding"), as two Triton kernels, with its dense reference beside it.
+
+The rollout engine's steps ask few queries per row (1 for a plain decode step or a draft pass, K + 1
+for a verify window) against a cache whose static width (CUDA graphs) is often far above what a
+row holds. SDPA with a mask reads the whole width, launches 2-3 kernels, and for S >= 2 queries per
+row picks kernels built for long query blocks (bench/results/decode_step_qwen3_1.7b_h200.json:
+a 5-query verify window cost 2.3x a 1-query step in attention alone). Here one program owns one
+row, one kv head and one chunk of cache slots, with all the S x G queries that read that kv head
+(G = query heads per kv head) as the rows of one tile: each key and value is read once, only up
+to the row's last query position, and GQA needs no copy. Programs split the slots so that small
+batches still fill the GPU; a second kernel merges the chunks by their log-sum-exp.
+
+Inference only (the engine runs under no_grad): no backward. `decode_attention_reference` is the
+dense reference (SDPA under the same mask); tests/test_decode_attention.py compares the kernels
+to it in float64 in Triton's interpreter on CPU, and in bf16 on a GPU.
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# Cache slots per key block; a program's chunk is a multiple of it.
+BLOCK_N = 64
+# Programs to aim for: about two per streaming multiprocessor of an H100/H200 (132).
+TARGET_PROGRAMS = 264
+
+
+def decode_attention_reference(q, k_cache, v_cache, positions, scale: float | None = None):
+    """q [B, S, Hq, D]; caches [B', L, Hkv, D] (B' >= B, row b of the cache is row b of q);
+    positions [B, S]: the query at (b, s) attends slots 0..positions[b, s] of row b. Returns
+    [B, S, Hq, D]. SDPA over the whole cache under that mask."""
+    B, L = q.shape[0], k_cache.shape[1]
+    mask = torch.arange(L, device=q.device) <= positions[..., None]  # [B, S, L]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:B].transpose(1, 2), v_cache[:B].transpose(1, 2),
+                                         attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=q.shape[2] != k_cache.shape[2])
+    return out.transpose(1, 2)
+
+
+@triton.jit
+def _chunk_attention(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, lse_ptr, scale, S, chunk, splits,
+                     stride_qb, stride_qs, stride_qh, stride_kb, stride_kl, stride_kh,
+                     stride_vb, stride_vl, stride_vh,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_KEYS: tl.constexpr, IEEE: tl.constexpr):
+    """One (row b, kv head, chunk of slots): attention of the S x GROUP queries of that kv head
+    (tile row m = s * GROUP + g) over the chunk's visible slots. Writes the chunk's normalised
+    output [BLOCK_M, D] and log-sum-exp [BLOCK_M] (-inf where a query sees none of its slots)."""
+    b, kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = tl.arange(0, BLOCK_M)
+    s, g = m // GROUP, m % GROUP
+    live = s < S
+    d = tl.arange(0, BLOCK_D)
+    d_live = d < HEAD_DIM
+    pos = tl.load(pos_ptr + b * S + s, mask=live, other=-1)
+    start = split * chunk
+    end = tl.minimum(start + chunk, tl.max(pos, 0) + 1)  # no query of this row sees past its position
+    q = tl.load(q_ptr + b * stride_qb + s[:, None] * stride_qs + (kv * GROUP + g)[:, None] * stride_qh + d[None, :],
+                mask=live[:, None] & d_live[None, :], other=0.0)
+    compute = tl.float64 if q.dtype == tl.float64 else tl.float32
+    running_max = tl.full([BLOCK_M], float("-inf"), compute)
+    denominator = tl.zeros([BLOCK_M], compute)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], compute)
+    for first in range(start, end, BLOCK_KEYS):
+        n = first + tl.arange(0, BLOCK_KEYS)
+        n_live = n < end
+        kv_mask = n_live[:, None] & d_live[None, :]
+        k = tl.load(k_ptr + b * stride_kb + n[:, None] * stride_kl + kv * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + b * stride_vb + n[:, None] * stride_vl + kv * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:  # float32 inputs: no TF32 rounding
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(compute) * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)).to(compute) * scale
+        scores = tl.where((n[None, :] <= pos[:, None]) & n_live[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with nothing visible yet
+        p = tl.exp(scores - shift[:, None])
+        rescale = tl.exp(running_max - shift)
+        denominator = denominator * rescale + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(compute)
+        else:
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v).to(compute)
+        running_max = new_max
+    seen = denominator > 0
+    out = acc / tl.where(seen, denominator, 1.0)[:, None]
+    lse = tl.where(seen, running_max + tl.log(tl.where(seen, denominator, 1.0)), float("-inf"))
+    part = (b * tl.num_programs(1) + kv) * splits + split
+    tl.store(out_ptr + part * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :], out)
+    tl.store(lse_ptr + part * BLOCK_M + m, lse)
+
+
+@triton.jit
+def _merge_chunks(part_out_ptr, part_lse_ptr, o_ptr, S, splits, stride_ob, stride_os, stride_oh,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (row b, kv head): the chunks' outputs weighted by exp(chunk lse - total lse), into o."""
+    b, kv = tl.program_id(0), tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    s, g = m // GROUP, m % GROUP
+    d = tl.arange(0, BLOCK_D)
+    first = (b * tl.num_programs(1) + kv) * splits
+    compute = part_lse_ptr.dtype.element_ty  # float32, or float64 for float64 inputs
+    top = tl.full([BLOCK_M], float("-inf"), compute)
+    for split in range(splits):
+        top = tl.maximum(top, tl.load(part_lse_ptr + (first + split) * BLOCK_M + m))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], compute)
+    total = tl.zeros([BLOCK_M], compute)
+    for split in range(splits):
+        weight = tl.exp(tl.load(part_lse_ptr + (first + split) * BLOCK_M + m) - top)
+        part = tl.load(part_out_ptr + (first + split) * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :])
+        acc += weight[:, None] * part
+        total += weight
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(o_ptr + b * stride_ob + s[:, None] * stride_os + (kv * GROUP + g)[:, None] * stride_oh + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=(s < S)[:, None] & (d < HEAD_DIM)[None, :])
+
+
+@torch.library.custom_op("titan_draft::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                     scale: float | None, width: int) -> torch.Tensor:
+    """decode_attention_reference's result (q [B, S, Hq, D], caches [B', L, Hkv, D] with a
+    contiguous last dim, positions [B, S]), reading slots 0..max_s positions[b, s] of each row
+    only. width: the slots any query may see (above every position); it sets the number of chunks,
+    so the launch shape is static for a CUDA graph. An opaque op for torch.compile."""
+    q = q if q.stride(-1) == 1 else q.contiguous()  # the kernels step the head dim by 1
+    B, S, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    group = Hq // Hkv
+    block_m = max(16, triton.next_power_of_2(S * group))  # tl.dot's smallest tile
+    block_d = max(16, triton.next_power_of_2(D))
+    wanted = max(1, TARGET_PROGRAMS // (B * Hkv))
+    chunk = BLOCK_N * triton.cdiv(triton.cdiv(width, wanted), BLOCK_N)
+    splits = triton.cdiv(width, chunk)
+    parts = torch.empty(B, Hkv, splits, block_m, block_d, device=q.device,
+                        dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    lse = torch.empty(B, Hkv, splits, block_m, device=q.device, dtype=parts.dtype)
+    positions = positions.contiguous()
+    _chunk_attention[(B, Hkv, splits)](
+        q, k_cache, v_cache, positions, parts, lse, scale if scale is not None else D ** -0.5, S, chunk, splits,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_KEYS=BLOCK_N, IEEE=q.dtype == torch.float32)
+    out = torch.empty_like(q)
+    _merge_chunks[(B, Hkv)](parts, lse, out, S, splits, out.stride(0), out.stride(1), out.stride(2),
+                            GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=block_d)
+    return out
+
+
+@decode_attention.register_fake
+def _(q, k_cache, v_cache, positions, scale, width):
+    return torch.empty_like(q)
