@@ -2,7 +2,8 @@
 backend with enable_gqa (cuDNN on the H200), side by side in one process, on the engine's cache
 layout: B rows, S queries per row (S = 1: a plain decode step; S = K + 1: a verify window), a static
 cache of L slots of which the mask keeps slots <= each query's position, GQA (Hq query heads per
-Hkv kv heads). Each call is captured in a CUDA graph and replayed, as the engine runs it.
+Hkv kv heads). Each call is captured in a CUDA graph and replayed, as the engine runs it. On CUDA
+the engine's calls of up to 16 queries per row run the decode kernel (ops/decode_attention.py).
 
   python -m bench.decode_attention                          # one H200: the arith/sort policy's attention
   python -m bench.decode_attention --batch-sizes 1 512 --queries 1 5 --widths 1285 161
@@ -30,12 +31,8 @@ def sdpa_gqa(q, k_cache, v_cache, mask):
     return out.transpose(1, 2)
 
 
-def milliseconds(attend, q, k_cache, v_cache, mask, iters: int) -> float:
-    device = q.device
-
-    def fn():
-        attend(q, k_cache, v_cache, mask)
-
+def milliseconds(fn, device: torch.device, iters: int) -> float:
+    """Milliseconds of one fn() call, replayed from a CUDA graph on CUDA."""
     call = CapturedCall(fn, torch.Generator(device), torch.cuda.graph_pool_handle()) if device.type == "cuda" else fn
 
     def replays():
@@ -72,10 +69,11 @@ def main():
                 length = torch.randint(S, L + 1, (B,), generator=gen, device=device)
                 positions = length[:, None] - S + torch.arange(S, device=device)
                 mask = torch.arange(L, device=device) <= positions[..., None]
-                torch.testing.assert_close(_attend(q, k_cache, v_cache, mask), sdpa_gqa(q, k_cache, v_cache, mask),
-                                           rtol=2e-2, atol=2e-2)
-                sdpa = milliseconds(sdpa_gqa, q, k_cache, v_cache, mask, a.iters)
-                engine = milliseconds(_attend, q, k_cache, v_cache, mask, a.iters)
+                engine_call = lambda: _attend(q, k_cache, v_cache, positions, L)  # noqa: E731
+                sdpa_call = lambda: sdpa_gqa(q, k_cache, v_cache, mask)  # noqa: E731
+                torch.testing.assert_close(engine_call(), sdpa_call(), rtol=2e-2, atol=2e-2)
+                sdpa = milliseconds(sdpa_call, device, a.iters)
+                engine = milliseconds(engine_call, device, a.iters)
                 rows.append(dict(batch=B, queries=S, width=L, sdpa_ms=sdpa, engine_ms=engine,
                                  sdpa_over_engine=sdpa / engine))
                 print(f"{B:>5} {S:>3} {L:>5} {sdpa:>8.4f} {engine:>9.4f} {sdpa / engine:>10.2f}x", flush=True)
