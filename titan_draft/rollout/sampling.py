@@ -112,7 +112,7 @@ def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, ta
     # same formula gives the bonus distribution p_K.
     rows = torch.arange(B, device=tokens.device)
     p_stop = target_probs[rows, num_accepted].float()
-    q_stop = torch.cat([draft_probs, draft_probs.new_zeros(B, 1, V)], dim=1)[rows, num_accepted].float()
+    q_stop = torch.where((num_accepted < K)[:, None], draft_probs[rows, num_accepted.clamp(max=K - 1)], 0).float()
     residual = (p_stop - q_stop).clamp(min=0)
     mass = residual.sum(-1, keepdim=True)
     # p == q everywhere makes a rejection impossible in exact arithmetic; keep rounding harmless.
