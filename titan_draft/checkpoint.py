@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.errors import ConfigError
+from titan_draft.io import atomic_file
 from titan_draft.models import tap_layers
 from torchtitan.components.checkpoint import CheckpointManager, ModelWrapper
 
@@ -252,12 +253,8 @@ def write_manifest(folder: str, settings: dict) -> None:
     rank, world_size = _rank_and_size()
     files = _gather({name: _file_record(os.path.join(folder, name)) for name in names[rank::world_size]})
     if rank == 0:
-        tmp = os.path.join(folder, MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
+        with atomic_file(os.path.join(folder, MANIFEST)) as f:
             json.dump({"settings": settings, "files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(folder, MANIFEST))
     if world_size > 1:
         dist.barrier()
 

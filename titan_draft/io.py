@@ -1,4 +1,4 @@
-"""Files: written whole or not at all, Hugging Face folders read (one safetensors file or shards), and
+"""Files: written whole or not at all (a file or a folder), Hugging Face folders read (one safetensors file or shards), and
 full state dicts of (possibly sharded) modules. Shared by the Hugging Face policy interchange (hf.py),
 the model families (models/families.py) and the EAGLE-3 draft format (eagle3.py).
 """
@@ -20,6 +20,24 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@contextlib.contextmanager
+def atomic_file(path: str):
+    """Yield a text file open under a temporary name next to `path` (its folder made); on success it is
+    synced to disk and replaces `path` in one rename, so a reader never sees half a file."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from titan_draft.io import atomic_directory
+from titan_draft.io import atomic_directory, atomic_file
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0, 1, 2, 3
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -122,15 +122,10 @@ def problem_texts(problems: list[dict]) -> list[str]:
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
-    """One JSON object per line, written under a temporary name and renamed into place."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    """One JSON object per line, written atomically."""
+    with atomic_file(path) as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass
