@@ -9,17 +9,12 @@ import os
 import shutil
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from titan_draft.errors import ConfigError
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def is_writer() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 @contextlib.contextmanager
