@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import sys
 
 import torch
@@ -48,10 +47,6 @@ from torchtitan.components.checkpoint import CheckpointManager, ModelWrapper
 
 # Phases in the order the job runs them; TrainState.phase is the last one finished.
 NOT_STARTED, SFT_DONE, WARMUP_DONE, IN_RL = 0, 1, 2, 3
-
-# Test hook: SIGKILL this process inside the save of this progress step, after the data files and
-# before `.metadata` (tests/test_checkpoint_resume.py).
-KILL_DURING_SAVE_ENV = "TITAN_DRAFT_TEST_KILL_DURING_SAVE"
 
 MANIFEST = "checksums.json"
 PHASE_NAMES = {SFT_DONE: "SFT", WARMUP_DONE: "the draft warm-up"}
@@ -191,8 +186,6 @@ class JobCheckpoint:
             shutil.rmtree(folder)  # a partial save of a killed run
         if dist.is_initialized():
             dist.barrier()
-        if os.environ.get(KILL_DURING_SAVE_ENV) == str(step):
-            _kill_before_metadata()
         self.manager.save(step)
         write_manifest(folder, self.settings)
 
@@ -306,12 +299,3 @@ def _say(message: str) -> None:
 def _warn(message: str) -> None:
     if is_rank0():
         print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-def _kill_before_metadata() -> None:
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
-    def finish(*_args, **_kwargs):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    FileSystemWriter.finish = finish
