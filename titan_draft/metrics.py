@@ -59,9 +59,6 @@ class MetricsLogger:
             tqdm.write(f"[{phase} {step:>4}] {shown}")  # above any progress bar, not through it
             sys.stdout.flush()
 
-    def __deepcopy__(self, memo):
-        return self  # one log per job: a copied training state logs to the same files
-
     def close(self) -> None:
         if self.enabled:
             self._file.close()
