@@ -70,8 +70,9 @@ def check_export(args: list[str], dump_folders: list[str]) -> None:
 
 
 def run_python(args: list[str]) -> None:
+    """A README script, importing this checkout's titan_draft (not whichever one is installed)."""
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr[-2000:]
 
 
