@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from titan_draft import _compat  # before torchtitan
+from titan_draft import _compat
 from titan_draft.io import atomic_file
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

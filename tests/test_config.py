@@ -5,8 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 import torch
 
 from titan_draft.config import ConfigError, parse_config, validate

@@ -13,7 +13,6 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
 
-from titan_draft import _compat  # noqa: E402,F401
 from titan_draft.config import parse_config  # noqa: E402
 from titan_draft.parallel.pipeline import last_stage_pp_rank  # noqa: E402
 

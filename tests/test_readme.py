@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.config import parse_config
 from titan_draft.eagle3 import tap_layer_ids
 from titan_draft.export_draft import parse_args as export_args

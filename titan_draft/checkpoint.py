@@ -38,7 +38,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.errors import ConfigError
 from titan_draft.io import atomic_file
 from titan_draft.models import tap_layers

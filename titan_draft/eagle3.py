@@ -47,7 +47,6 @@ import os
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.errors import ConfigError
 from titan_draft.io import atomic_directory, full_state_dict, read_safetensors
 from titan_draft.ranks import is_rank0

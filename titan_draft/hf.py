@@ -21,7 +21,6 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from titan_draft.errors import ConfigError
