@@ -1,6 +1,7 @@
-"""Files: written whole or not at all (a file or a folder), Hugging Face folders read (one safetensors file or shards), and
-full state dicts of (possibly sharded) modules. Shared by the Hugging Face policy interchange (hf.py),
-the model families (models/families.py) and the EAGLE-3 draft format (eagle3.py).
+"""Files: written whole or not at all (a file or a folder), Hugging Face folders read (one safetensors
+file or shards), and full state dicts of (possibly sharded) modules. Shared by the Hugging Face policy
+interchange (hf.py), the model families (models/families.py), the EAGLE-3 draft format (eagle3.py) and
+the checkpoint's manifest (checkpoint.py).
 """
 import contextlib
 import glob
