@@ -12,7 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from titan_draft import _compat  # before torchtitan
+from titan_draft import _compat
+from titan_draft.io import atomic_file
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXES = ("lognormal", "pareto", "one_long")
@@ -152,11 +153,8 @@ def write_json(path: str | None, result: dict) -> None:
     """Write `result` to `path` (folders made) atomically: a reader never sees half a file."""
     if not path:
         return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    partial = f"{path}.partial"
-    with open(partial, "w") as f:
+    with atomic_file(path) as f:
         json.dump(result, f, indent=1)
-    os.replace(partial, path)
 
 
 def sized_model_args(name: str, flavor: str, max_seq_len: int, *, dim: int = 0, layers: int = 0, heads: int = 0,

@@ -28,6 +28,7 @@ from titan_draft.ops import branch_attention
 from titan_draft.packing import cu_seqlens_from_lengths
 from titan_draft.parallel import CpGroup, ZigzagLayout, cp_branch_attention
 from titan_draft.parallel.cp_attention import MODES
+from titan_draft.ranks import is_rank0
 
 
 def parse_args():
@@ -238,7 +239,7 @@ def gloo_worker(args):
     for mode in MODES:
         seconds, _ = time_step(args, lambda *x: cp_branch_attention(*x, cu_seqlens=cu, cp=CpGroup(mesh, mode)),
                                inputs, torch.device("cpu"), group=mesh.get_group())
-        if rank == 0:
+        if is_rank0():
             print("RESULT " + json.dumps(dict(cp=cp, mode=mode, documents=len(lengths), seconds=seconds)), flush=True)
     dist.destroy_process_group()
 

@@ -65,6 +65,7 @@ from titan_draft.parallel.parallelize import (
     sum_over_dp,
     training_autocast,
 )
+from titan_draft.ranks import is_rank0
 
 PARTS = ("attention", "cotrain")
 # Keys that must agree between a run and its --reference for the efficiency to mean anything.
@@ -280,7 +281,7 @@ def main(argv=None):
         if "cotrain" in args.parts:
             rows += measure_cotrain(args, device)
         add_efficiency(rows, world, reference, args)
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if is_rank0():
             print_table(rows, world, args, device, dtype)
             write_json(args.out, dict(args=vars(args), **environment(), world_size=world,
                                       backend=dist.get_backend() if dist.is_initialized() else None, rows=rows))

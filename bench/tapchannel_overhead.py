@@ -30,6 +30,7 @@ from titan_draft.cotrain import CoTrainSpec
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import policy_from_args
 from titan_draft.parallel.pipeline import IGNORE, PipelineSetup, build_pipeline_cotrain, split_policy
+from titan_draft.ranks import is_rank0
 
 
 def arg_parser() -> argparse.ArgumentParser:
@@ -142,7 +143,6 @@ def step_of(run, tokens, labels):
 
 
 def main(args):
-    rank = dist.get_rank()
     policy, draft, spec = build_models(args)
     tokens, labels = random_batch(args, args.microbatch * args.microbatches)
     channel_run = build(args, policy, draft, spec)
@@ -154,7 +154,7 @@ def main(args):
     runs = {"channel": step_of(channel_run, tokens, labels), "twin": step_of(twin, tokens, labels)}
     records = alternate(runs, args.warmup + args.steps, _compat.device(), dist.group.WORLD)
     times = {name: [seconds for seconds, _ in timed[args.warmup:]] for name, timed in records.items()}
-    if rank == 0:
+    if is_rank0():
         print(f"{'step':>4} {'channel ms':>11} {'twin ms':>9}")
         for i, (a, b) in enumerate(zip(times["channel"], times["twin"])):
             print(f"{i:>4} {1e3 * a:>11.2f} {1e3 * b:>9.2f}")

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from bench._common import write_json
 from bench.tapchannel_overhead import arg_parser, build, build_models, launch, random_batch
+from titan_draft.ranks import is_rank0
 
 
 def timed(events, kind, stage, method):
@@ -100,7 +101,7 @@ def main(args):
     events = record_step(run, tokens, labels)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, events)
-    if dist.get_rank() == 0:
+    if is_rank0():
         title = (f"{args.schedule}, PP={dist.get_world_size()}, {args.microbatches} microbatches of "
                  f"{args.microbatch} x {args.seq} tokens, dim {args.dim} x {args.layers} layers, taps "
                  f"{spec.tap_layers}, CPU gloo: one step after warm-up")

@@ -17,5 +17,5 @@ for mode in ${MODES:-cotrain frozen none}; do
   ./run_train.sh --job.dump_folder "$RUNS_DIR/$mode" --draft.mode "$mode" "$@"
 done
 if [ "${NOTEBOOK:-1}" != 0 ]; then
-  .venv/bin/python -m titan_draft.notebook "$RUNS_DIR" "$OUT_DIR" --executed "$RUNS_DIR/acceptance_vs_step.ipynb"
+  .venv/bin/python scripts/execute_notebook.py "$RUNS_DIR" "$OUT_DIR" --executed "$RUNS_DIR/acceptance_vs_step.ipynb"
 fi

@@ -11,7 +11,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.checkpoint import IN_RL, MANIFEST, SFT_DONE, WARMUP_DONE, JobCheckpoint
 from titan_draft.config import ConfigError, parse_config
 from titan_draft.parallel.parallelize import init_process_group

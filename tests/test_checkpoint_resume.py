@@ -10,10 +10,11 @@ import subprocess
 import sys
 import time
 
-from titan_draft.checkpoint import KILL_DURING_SAVE_ENV, check_checkpoint, complete_steps as checkpoint_steps
+from titan_draft.checkpoint import check_checkpoint, complete_steps as checkpoint_steps
 from titan_draft.metrics import TIMING_KEYS
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
+KILL_DURING_SAVE = os.path.join(os.path.dirname(__file__), "kill_during_save.py")
 TINY = ["--job.config_file", os.path.join(ROOT, "train_configs", "sort_tiny_cpu.toml"), "--model.flavor", "tiny_gqa",
         "--training.seq_len", "16", "--task.num_items", "2", "--task.alphabet_size", "4", "--rl.sft_steps", "15",
         "--draft.warmup_steps", "2", "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.sft_batch_size", "16",
@@ -24,14 +25,15 @@ TINY = ["--job.config_file", os.path.join(ROOT, "train_configs", "sort_tiny_cpu.
 PIPELINE = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "4"]
 
 
-def start(folder, env=None, pipeline=False):
+def start(folder, pipeline=False, kill_in_save_of=None):
     """The job as one process, or (pipeline) as 2 torchrun ranks (as run_train.sh starts them), the launcher
-    in a process group of its own."""
+    in a process group of its own; kill_in_save_of: SIGKILLed inside the save of that progress step."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 "--local-ranks-filter", "0", "--role", "rank", "--tee", "3"] if pipeline else [sys.executable]
-    return subprocess.Popen([*launcher, "-m", "titan_draft.train", *TINY, *(PIPELINE if pipeline else []),
-                             "--job.dump_folder", str(folder)],
-                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    train = ["-m", "titan_draft.train"] if kill_in_save_of is None else [KILL_DURING_SAVE, str(kill_in_save_of)]
+    return subprocess.Popen([*launcher, *train, *TINY, *(PIPELINE if pipeline else []), "--job.dump_folder",
+                             str(folder)],
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.abspath(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -109,7 +111,7 @@ def test_sigkill_mid_run_and_inside_save_resume_exactly(tmp_path):
     assert killed_at >= 2  # SFT (step-1) and warm-up (step-2) were saved
 
     # 2. Resume; SIGKILL inside the save of RL step 3 (progress id 5): data files written, no .metadata.
-    code, out, err = finish(start(resumed, {KILL_DURING_SAVE_ENV: "5"}))
+    code, out, err = finish(start(resumed, kill_in_save_of=5))
     assert code == -signal.SIGKILL, err[-2000:]
     assert out.startswith(f"resuming from {resumed}/checkpoint/step-{killed_at} ("), out[:2000]
     partial = os.path.join(resumed, "checkpoint", "step-5")

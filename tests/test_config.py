@@ -5,8 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 import torch
 
 from titan_draft.config import ConfigError, parse_config, validate
@@ -170,7 +168,7 @@ def test_shipped_configs_validate(path, tmp_path):
     argv = ["--job.config_file", str(path)]
     cfg = parse_config(argv)
     if cfg.model.flavor == "hf":  # the user's model and data: made here (tiny, random), the recipe kept
-        from titan_draft.tiny_hf import write_demo_inputs
+        from scripts.make_tiny_hf import write_demo_inputs
 
         inputs = write_demo_inputs(str(tmp_path), cfg.model.name, vocab_size=384, train_problems=16,
                                    test_problems=4, seed=0)

@@ -16,7 +16,6 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from titan_draft import _compat  # noqa: F401
 from titan_draft.checkpoint import IN_RL, SFT_DONE, WARMUP_DONE, TrainState
 from titan_draft.config import ConfigError, parse_config
 from titan_draft.eagle3 import IDS_KEY, engine_default_taps, export_draft, load_draft, tap_layer_ids

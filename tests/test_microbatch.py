@@ -41,7 +41,7 @@ def step(*overrides, mode="cotrain"):
     """One train_step on fixed rollouts: (metrics without timings, {param: grad} before the updates)."""
     cfg = parse_config([*TINY, "--draft.mode", mode, *overrides])
     torch.manual_seed(0)
-    job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, rank=1))
+    job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, enabled=False))
     draft_vocab_from_data(job.task, job.draft, torch.Generator().manual_seed(5))
     state = RLState.create(job, DraftOptimizer(job.draft, cfg.draft))
     grads = {}
@@ -116,7 +116,7 @@ def test_no_reference_without_kl():
 def test_sft_loss_in_microbatches_equals_one_batch():
     cfg = parse_config(TINY)
     torch.manual_seed(0)
-    job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, rank=1))
+    job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, enabled=False))
     batch = sft_batch(job.task, 16, WarmStartRun(torch.Generator().manual_seed(1), job.device, job.metrics))
     results = []
     for max_tokens, chunk in ((0, 0), (32, 5), (64, 1000)):

@@ -1,7 +1,7 @@
-"""The CP layout notebook executes (titan_draft.notebook's runner) and writes its figure."""
+"""The CP layout notebook executes (scripts/execute_notebook.py) and writes its figure."""
 import os
 
-from titan_draft.notebook import execute_notebook
+from scripts.execute_notebook import execute_notebook
 
 NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
 

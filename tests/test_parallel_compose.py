@@ -13,7 +13,6 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
 
-from titan_draft import _compat  # noqa: E402,F401
 from titan_draft.config import parse_config  # noqa: E402
 from titan_draft.parallel.pipeline import last_stage_pp_rank  # noqa: E402
 
@@ -65,7 +64,7 @@ def cotrain_step(argv, dims_from_world: bool, poison: str = "", return_state: bo
 
     cfg = parse_config(argv)
     dims = build_parallel_dims(cfg, torch.distributed.get_world_size()) if dims_from_world else None
-    job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, rank=1), dims)  # rank 1: writes nothing
+    job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, enabled=False), dims)  # writes nothing
     draft_vocab_from_data(job.task, job.draft, torch.Generator().manual_seed(5))
     if poison:
         module = job.draft.lm_head if poison == "draft" else job.policy.output

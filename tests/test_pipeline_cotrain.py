@@ -20,7 +20,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
 
-from titan_draft import _compat  # noqa: E402,F401
 from titan_draft.models.draft import EagleDraft, Teacher, draft_args_for, ttt_loss  # noqa: E402
 from titan_draft.models.policy import TapRecorder, forward_packed, install_packed_attention, model_args  # noqa: E402
 from titan_draft.ops import branch_attention  # noqa: E402

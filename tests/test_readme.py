@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.config import parse_config
 from titan_draft.eagle3 import tap_layer_ids
 from titan_draft.export_draft import parse_args as export_args
@@ -70,8 +69,9 @@ def check_export(args: list[str], dump_folders: list[str]) -> None:
 
 
 def run_python(args: list[str]) -> None:
+    """A README script, importing this checkout's titan_draft (not whichever one is installed)."""
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr[-2000:]
 
 

@@ -13,11 +13,11 @@ import os
 import pytest
 import torch
 
+from scripts.execute_notebook import execute_notebook
 from titan_draft.config import parse_config
 from titan_draft.cotrain import DraftOptimizer
 from titan_draft.job import build_job
 from titan_draft.metrics import TIMING_KEYS, MetricsLogger, read_metrics
-from titan_draft.notebook import execute_notebook
 from titan_draft.train import RLState, collect_rollouts, main, train_step
 from titan_draft.warmstart import WarmStartRun, draft_vocab_from_data, sft_policy
 

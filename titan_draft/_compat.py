@@ -1,6 +1,7 @@
 """torchtitan 0.2.2 on a machine without an accelerator: the few workarounds, in one place.
 
-Import this module before anything from torchtitan. On a GPU machine it changes nothing.
+It must run before torchtitan is imported: titan_draft/__init__.py imports it first, so any import of
+the package applies it. On a GPU machine it changes nothing.
 """
 import torch
 

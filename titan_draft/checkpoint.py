@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import sys
 
 import torch
@@ -39,17 +38,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.errors import ConfigError
+from titan_draft.io import atomic_file
 from titan_draft.models import tap_layers
+from titan_draft.ranks import is_rank0
 from torchtitan.components.checkpoint import CheckpointManager, ModelWrapper
 
 # Phases in the order the job runs them; TrainState.phase is the last one finished.
 NOT_STARTED, SFT_DONE, WARMUP_DONE, IN_RL = 0, 1, 2, 3
-
-# Test hook: SIGKILL this process inside the save of this progress step, after the data files and
-# before `.metadata` (tests/test_checkpoint_resume.py).
-KILL_DURING_SAVE_ENV = "TITAN_DRAFT_TEST_KILL_DURING_SAVE"
 
 MANIFEST = "checksums.json"
 PHASE_NAMES = {SFT_DONE: "SFT", WARMUP_DONE: "the draft warm-up"}
@@ -90,7 +86,7 @@ class RNGState(Stateful):
 
     def __init__(self, generators: dict[str, torch.Generator]):
         self.generators = generators
-        self.key = f"rank{dist.get_rank() if dist.is_initialized() else 0}"
+        self.key = f"rank{_rank_and_size()[0]}"
 
     def state_dict(self):
         states = {"torch": torch.get_rng_state(), **{k: g.get_state() for k, g in self.generators.items()}}
@@ -185,12 +181,10 @@ class JobCheckpoint:
             return
         step = self.train_state.progress
         folder = self.manager._create_checkpoint_id(step)
-        if (not dist.is_initialized() or dist.get_rank() == 0) and os.path.isdir(folder):
+        if is_rank0() and os.path.isdir(folder):
             shutil.rmtree(folder)  # a partial save of a killed run
         if dist.is_initialized():
             dist.barrier()
-        if os.environ.get(KILL_DURING_SAVE_ENV) == str(step):
-            _kill_before_metadata()
         self.manager.save(step)
         write_manifest(folder, self.settings)
 
@@ -202,7 +196,7 @@ def job_settings(cfg, n_layers: int, draft_args) -> dict:
     """What a resume must share with the job that saved: every saved tensor's shape and which rank saved
     what (the RNG states are per rank)."""
     p = cfg.parallelism
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    world_size = _rank_and_size()[1]
     others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.context_parallel_degree * \
         p.pipeline_parallel_degree
     shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree != -1 else world_size // others
@@ -251,13 +245,9 @@ def write_manifest(folder: str, settings: dict) -> None:
     names = sorted(name for name in os.listdir(folder) if os.path.isfile(os.path.join(folder, name)))
     rank, world_size = _rank_and_size()
     files = _gather({name: _file_record(os.path.join(folder, name)) for name in names[rank::world_size]})
-    if rank == 0:
-        tmp = os.path.join(folder, MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
+    if is_rank0():
+        with atomic_file(os.path.join(folder, MANIFEST)) as f:
             json.dump({"settings": settings, "files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(folder, MANIFEST))
     if world_size > 1:
         dist.barrier()
 
@@ -301,19 +291,10 @@ def _gather(share: dict) -> dict:
 
 
 def _say(message: str) -> None:
-    if _rank_and_size()[0] == 0:
+    if is_rank0():
         print(message, flush=True)
 
 
 def _warn(message: str) -> None:
-    if _rank_and_size()[0] == 0:
+    if is_rank0():
         print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-def _kill_before_metadata() -> None:
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
-    def finish(*_args, **_kwargs):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    FileSystemWriter.finish = finish

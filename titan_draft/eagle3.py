@@ -47,9 +47,9 @@ import os
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.errors import ConfigError
-from titan_draft.io import atomic_directory, full_state_dict, is_writer, read_safetensors
+from titan_draft.io import atomic_directory, full_state_dict, read_safetensors
+from titan_draft.ranks import is_rank0
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")  # vLLM's registry knows both names
@@ -157,7 +157,7 @@ def export_draft(draft, tap_layers: list[int], output: str, *, n_layers: int, en
 
     ids = tap_layer_ids(tap_layers, n_layers, engine)  # checks first, before any collective
     state = full_state_dict(draft)
-    if not is_writer():
+    if not is_rank0():
         return
     tensors = to_engine_layout(draft, state, embed_tokens)
     with atomic_directory(output) as tmp:

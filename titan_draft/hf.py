@@ -21,14 +21,13 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from titan_draft.errors import ConfigError
-from titan_draft.io import (atomic_directory, full_state_dict, is_writer, read_json, read_safetensors_with_files,
-                            safetensors_files)
+from titan_draft.io import atomic_directory, full_state_dict, read_json, read_safetensors_with_files, safetensors_files
 from titan_draft.models.families import family
 from titan_draft.models.policy import job_model_args
+from titan_draft.ranks import is_rank0
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 LOAD_KEY = "checkpoint.initial_load_path"
@@ -61,7 +60,7 @@ def _hf_config(model_name: str, args, state: dict[str, torch.Tensor]) -> dict:
 def save_policy(policy: torch.nn.Module, model_name: str, args, output: str, tokenizer_dir: str | None = None) -> None:
     """model.safetensors (HF names) + config.json (+ the tokenizer files of tokenizer_dir) in `output`."""
     state = full_state_dict(policy)
-    if not is_writer():
+    if not is_rank0():
         return
     hf_state = {k: v.contiguous() for k, v in state_dict_adapter(model_name, args).to_hf(state).items()}
     with atomic_directory(output) as tmp:

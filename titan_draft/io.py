@@ -1,6 +1,7 @@
-"""Files: written whole or not at all, Hugging Face folders read (one safetensors file or shards), and
-full state dicts of (possibly sharded) modules. Shared by the Hugging Face policy interchange (hf.py),
-the model families (models/families.py) and the EAGLE-3 draft format (eagle3.py).
+"""Files: written whole or not at all (a file or a folder), Hugging Face folders read (one safetensors
+file or shards), and full state dicts of (possibly sharded) modules. Shared by the Hugging Face policy
+interchange (hf.py), the model families (models/families.py), the EAGLE-3 draft format (eagle3.py) and
+the checkpoint's manifest (checkpoint.py).
 """
 import contextlib
 import glob
@@ -9,7 +10,6 @@ import os
 import shutil
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -18,8 +18,22 @@ from titan_draft.errors import ConfigError
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def is_writer() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+@contextlib.contextmanager
+def atomic_file(path: str):
+    """Yield a text file open under a temporary name next to `path` (its folder made); on success it is
+    synced to disk and replaces `path` in one rename, so a reader never sees half a file."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 @contextlib.contextmanager

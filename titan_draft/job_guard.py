@@ -20,6 +20,7 @@ import sys
 import time
 
 from titan_draft.errors import ConfigError
+from titan_draft.ranks import is_rank0
 
 LOCK_NAME = "job.lock"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -52,7 +53,7 @@ def _is_launcher(pid: int) -> bool:
 def lock_dump_folder(folder: str) -> None:
     """Take `folder`'s job lock on global rank 0 (other ranks return), released when this process exits.
     Raises ConfigError naming the owner if another live job holds it."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not is_rank0():
         return
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, LOCK_NAME)

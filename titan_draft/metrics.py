@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from titan_draft.ranks import is_rank0
+
 # Wall-clock measurements: the only metrics that may differ between two runs with one seed.
 TIMING_KEYS = frozenset({"rollout_time_s", "rollout_weights_s", "rollout_measure_s", "rollout_prefill_s",
                          "rollout_decode_s", "rollout_tokens_per_s", "train_time_s", "draft_time_s"})
@@ -19,10 +21,11 @@ FILE_ONLY_KEYS = frozenset({"tokens_per_verify_forward"})
 
 
 class MetricsLogger:
-    """Rank 0 writes; other ranks keep quiet. Every record carries `phase` and `step`."""
+    """Rank 0 writes; other ranks, and a logger made with enabled=False, keep quiet. Every record carries
+    `phase` and `step`."""
 
-    def __init__(self, dump_folder: str, rank: int = 0, tensorboard: bool = True):
-        self.enabled = rank == 0
+    def __init__(self, dump_folder: str, tensorboard: bool = True, enabled: bool = True):
+        self.enabled = enabled and is_rank0()
         self.start = time.time()
         self._tb = None
         if not self.enabled:
@@ -55,9 +58,6 @@ class MetricsLogger:
             shown = "  ".join(f"{k} {_short(v)}" for k, v in values.items() if k not in FILE_ONLY_KEYS)
             tqdm.write(f"[{phase} {step:>4}] {shown}")  # above any progress bar, not through it
             sys.stdout.flush()
-
-    def __deepcopy__(self, memo):
-        return self  # one log per job: a copied training state logs to the same files
 
     def close(self) -> None:
         if self.enabled:

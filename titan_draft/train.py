@@ -251,7 +251,7 @@ def main(argv: list[str]) -> None:
 
 
 def run(cfg, dims) -> None:
-    metrics = MetricsLogger(cfg.job.dump_folder, rank=dist.get_rank())
+    metrics = MetricsLogger(cfg.job.dump_folder)
     job = build_job(cfg, metrics, dims)
     checkpoint = JobCheckpoint(cfg, job.policy, job.draft, {"data": job.generators["data"],
                                                             "rollout": job.generators["rollout"]})

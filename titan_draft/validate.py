@@ -8,7 +8,6 @@ import sys
 import tomllib
 import warnings
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.config import ConfigError, parse_config, validate
 from titan_draft.job_guard import check_dump_folder
 

@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from torchtitan.models.llama3.model.model import apply_rotary_emb, precompute_freqs_cis
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs, llama3_args
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.models.llama3.model.model import FeedForward as Llama3FeedForward

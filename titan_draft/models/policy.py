@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
+from titan_draft import _compat
 from torchtitan.models.attention import VarlenMetadata
 
 from titan_draft.errors import ConfigError

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, ScheduleZBVZeroBubble, get_schedule_class
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
+from titan_draft import _compat
 from torchtitan.config import JobConfig
 from torchtitan.distributed.pipeline_parallel import (
     build_pipeline_schedule,

@@ -1,6 +1,6 @@
 """Execute notebooks/acceptance_vs_step.ipynb on a folder of runs, headless (nbclient, this venv's kernel).
 
-  python -m titan_draft.notebook RUNS_DIR OUT_DIR [--executed PATH]
+  python scripts/execute_notebook.py RUNS_DIR OUT_DIR [--executed PATH]
 
 RUNS_DIR holds the dump folders cotrain/, frozen/ and none/ of one job run three times
 (scripts/drift_demo.sh makes them); the PNGs and acceptance_summary.json go to OUT_DIR.
