@@ -7,13 +7,13 @@ import datetime
 import json
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from titan_draft import _compat
 from titan_draft.io import atomic_file
+from titan_draft.timing import synchronize, timed  # noqa: F401  (the drivers take them from here)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXES = ("lognormal", "pareto", "one_long")
@@ -34,30 +34,6 @@ def document_lengths(mix: str, total: int, generator: torch.Generator, multiple:
         length = max(multiple, round(draw / multiple) * multiple)
         lengths.append(min(length, total - sum(lengths)))
     return lengths
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA runs asynchronously; CPU ops are done when they return)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device: torch.device, group=None):
-    """(seconds, fn()'s result) of one call, from a device sync to the device sync after it. With a
-    process group, the call starts after a barrier and its time is the slowest rank's (a step of
-    several ranks is done when its last rank is)."""
-    if group is not None:
-        dist.barrier(group=group)
-    synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    synchronize(device)
-    seconds = time.perf_counter() - start
-    if group is not None:
-        slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-        seconds = float(slowest)
-    return seconds, result
 
 
 def alternate(steps: dict, rounds: int, device: torch.device, group=None, report=None) -> dict[str, list]:

@@ -27,7 +27,6 @@ import itertools
 import os
 import statistics
 import tempfile
-from functools import partial
 
 import torch
 

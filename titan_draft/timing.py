@@ -1,8 +1,35 @@
-"""Device time of code blocks inside a training step, measured without synchronising the device."""
+"""The project's timers: `DeviceTimer` (device time of code blocks, without synchronising the device)
+and `timed` (one call between device syncs, the slowest rank's with a process group); `PhasePeak`,
+the peak memory of a phase."""
 import contextlib
 import time
 
 import torch
+import torch.distributed as dist
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; CPU ops are done when they return)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, group=None):
+    """(seconds, fn()'s result) of one call, from a device sync to the device sync after it. With a
+    process group, the call starts after a barrier and its time is the slowest rank's (a step of
+    several ranks is done when its last rank is)."""
+    if group is not None:
+        dist.barrier(group=group)
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    if group is not None:
+        slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        seconds = float(slowest)
+    return seconds, result
 
 
 class DeviceTimer:

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from titan_draft import _compat  # noqa: F401  (before torchtitan)
 from titan_draft.models.draft import DraftArgs, EagleDraft
 from titan_draft.models.families import family_of_args
 from titan_draft.ops.decode_attention import decode_attention, decode_attention_reference

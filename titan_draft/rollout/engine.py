@@ -60,7 +60,6 @@ rows, the longest row, staged steps, counters). Attention reads only the live pa
 before that call's prefill (`measure_steps`), so rollouts do not explore (docs/DESIGN.md 4.4).
 """
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
@@ -70,11 +69,12 @@ from torch import nn
 
 from titan_draft.models.draft import DraftArgs
 from titan_draft.rollout.cached_model import CachedModels, cache_width
-from titan_draft.rollout.goodput import GoodputController, StepTimer
+from titan_draft.rollout.goodput import GoodputController
 from titan_draft.rollout.graphs import StepGraphs
 from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, probs_from_logits, sample,
                                          speculative_accept)
 from titan_draft.rollout.weights import copy_weights
+from titan_draft.timing import DeviceTimer, timed
 
 # Counters at the head of the engine's status vector: StepStatus's scalar fields.
 STATUS_COUNTS = 5
@@ -350,16 +350,6 @@ class RolloutEngine:
         target_probs[..., self._target_ids] = draft_probs
         return torch.stack(tokens, 1), target_probs
 
-    @contextmanager
-    def _clock(self, timing: dict, key: str):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        timing[key] += time.perf_counter() - start
-
     def _prompt_batch(self, prompts, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompts right-padded with eos_id [B, max p_b] on the engine's device, p_b [B] on the host)."""
         if isinstance(prompts, torch.Tensor):
@@ -509,7 +499,7 @@ class RolloutEngine:
         self._done[:B0] = False
         self._row_of_slot[:B0] = torch.arange(B0, device=self.device)
         self._hidden[:B0].zero_()
-        timer = StepTimer(self.device)
+        timer = DeviceTimer(self.device)
         for bucket in self._buckets(B0):
             self._counts.staged.fill_(1)
             self.graphs.capture_at_next_use(("flush", bucket, width))
@@ -520,12 +510,12 @@ class RolloutEngine:
                 seconds = []
                 while len(seconds) < repeats:
                     self._counts.staged.zero_()  # a K = 0 step stages into slot 0
-                    timer.mark(0)
-                    first = self.graphs.run(shape, partial(self._decode_step, shape))
-                    timer.mark(1)
-                    self._status.tolist()  # the host sync that makes the timer readable
+                    with timer():
+                        first = self.graphs.run(shape, partial(self._decode_step, shape))
+                    self._status.tolist()  # the loop's host sync, as in a call
                     if not first:
-                        seconds.append(timer.seconds())
+                        seconds.append(timer.pop_seconds())
+                    timer.pop_seconds()
                 costs[bucket, k] = sorted(seconds)[len(seconds) // 2]
                 self.controller.observe_cost(bucket, k, costs[bucket, k])
         self._counts.staged.zero_()
@@ -560,8 +550,7 @@ class RolloutEngine:
         self._reserve(B, total + self.max_k + 1)
         seed_device = generator.device if generator is not None else "cpu"
         if adaptive and (B, K, temperature, top_p) not in self._measured:
-            with self._clock(timing, "measure_s"):
-                self.measure_steps(B, K, temperature, top_p, P)
+            timing["measure_s"], _ = timed(lambda: self.measure_steps(B, K, temperature, top_p, P), self.device)
             self._measured.add((B, K, temperature, top_p))
         drafts = K  # the call's most drafts per step: 0 runs plain decoding (no draft prefill, no taps kept)
         if adaptive:
@@ -571,20 +560,10 @@ class RolloutEngine:
         self.graphs.unreplayed = 0
         self._rng.manual_seed(int(torch.randint(2**62, (), generator=generator, device=seed_device)))
 
-        with self._clock(timing, "prefill_s"):
-            self._tokens[:B].fill_(eos_id)
-            self._tokens[:B, :P] = padded
-            self._lengths[:B] = prompt_lengths.to(self.device)
-            self._limit[:B] = self._lengths[:B] + max_new_tokens
-            self._row_of_slot[:B] = torch.arange(B, device=self.device)
-            self._eos.fill_(eos_id)
-            width = cache_width(self.slots, P)
-            self.graphs.run(("prefill", B, P, drafts > 0, temperature, top_p, width),
-                            partial(self._prefill, B, P, drafts > 0, temperature, top_p, width))
-
-        start = time.perf_counter()
-        steps_per_k, out_tokens, out_lengths, status = self._decode(B, K, drafts, adaptive, temperature, top_p, total)
-        timing["decode_s"] = time.perf_counter() - start
+        timing["prefill_s"], _ = timed(lambda: self._start(padded, prompt_lengths, max_new_tokens, eos_id, drafts > 0,
+                                                        temperature, top_p), self.device)
+        timing["decode_s"], (steps_per_k, out_tokens, out_lengths, status) = timed(
+            lambda: self._decode(B, K, drafts, adaptive, temperature, top_p, total), self.device)
 
         verify_rows, emitted = status.verify_rows, status.emitted
         accepted = torch.tensor(status.accepted_per_position[:K], dtype=torch.long)
@@ -603,6 +582,21 @@ class RolloutEngine:
         result.tokens_per_s = float(response_lengths.sum()) / (time.perf_counter() - wall)
         return result
 
+    def _start(self, padded, prompt_lengths, max_new_tokens: int, eos_id: int, draft: bool, temperature: float,
+               top_p: float) -> None:
+        """The call's rows into the state buffers (prompts right-padded with eos_id, their lengths
+        and budgets), then prefill."""
+        B, P = padded.shape
+        self._tokens[:B].fill_(eos_id)
+        self._tokens[:B, :P] = padded
+        self._lengths[:B] = prompt_lengths.to(self.device)
+        self._limit[:B] = self._lengths[:B] + max_new_tokens
+        self._row_of_slot[:B] = torch.arange(B, device=self.device)
+        self._eos.fill_(eos_id)
+        width = cache_width(self.slots, P)
+        self.graphs.run(("prefill", B, P, draft, temperature, top_p, width),
+                        partial(self._prefill, B, P, draft, temperature, top_p, width))
+
     def _decode(self, B0: int, K: int, drafts: int, adaptive: bool, temperature: float, top_p: float, total: int):
         """Decode steps with `drafts` drafts each (adaptive: 0..drafts, chosen per step) until every
         row has finished: (steps per draft length [K + 1], tokens [B0, total] and lengths [B0] of
@@ -616,7 +610,7 @@ class RolloutEngine:
             out_lengths[rows] = self._lengths[:B]
 
         steps_per_k = torch.zeros(K + 1, dtype=torch.long)
-        timer = StepTimer(self.device)
+        timer = DeviceTimer(self.device)
         B, status = B0, StepStatus.read(self._status, self.max_k)
         while status.running:
             bucket = self._bucket(status.running, B)
@@ -628,17 +622,17 @@ class RolloutEngine:
             # Every slot this step (or a flush) writes or reads lies below the longest row's length
             # + max_k: the verify window, the draft's branch and trunk slots.
             width = cache_width(self.slots, status.longest + self.max_k)
-            timer.mark(0)
-            first = False  # a flush is timed with the step it precedes: part of the cost of drafting again
-            if status.staged and (k or status.staged == self.max_k + 1):
-                first = self.graphs.run(("flush", B, width), partial(self._flush_staged, B, width))
             shape = StepShape(B0, B, k, temperature, top_p, stage=adaptive and not k, width=width)
-            first |= self.graphs.run(shape, partial(self._decode_step, shape))
-            timer.mark(1)
+            with timer():  # a flush is timed with the step it precedes: part of the cost of drafting again
+                first = False
+                if status.staged and (k or status.staged == self.max_k + 1):
+                    first = self.graphs.run(("flush", B, width), partial(self._flush_staged, B, width))
+                first |= self.graphs.run(shape, partial(self._decode_step, shape))
             steps_per_k[k] += 1
             previous, status = status, StepStatus.read(self._status, self.max_k)  # the loop's one host sync
+            seconds = timer.pop_seconds()
             if adaptive and not first:
-                self.controller.observe_cost(B, k, timer.seconds())
+                self.controller.observe_cost(B, k, seconds)
             if adaptive and k:  # this step's counts per draft position
                 self.controller.observe_acceptance(
                     [a - b for a, b in zip(status.accepted_per_position, previous.accepted_per_position)],

@@ -1,13 +1,9 @@
 """Adaptive K: the number of drafts per decode step with the most expected tokens per second.
 
 `GoodputController` weighs online acceptance rates per draft position against measured seconds
-per step at each (active-row bucket, K); `StepTimer` measures those seconds without adding a host
-synchronisation to the engine's loop (docs/DESIGN.md 4.4).
+per step at each (active-row bucket, K), which the engine's loop times with timing.DeviceTimer (no
+host synchronisation of its own; docs/DESIGN.md 4.4).
 """
-import time
-
-import torch
-
 
 class GoodputController:
     """The draft length K (0..max_k) of the next decode step: the one with the most expected
@@ -89,26 +85,3 @@ class GoodputController:
             best = last
         self.last[bucket] = best
         return best
-
-
-class StepTimer:
-    """Seconds one decode step took, read after the loop's host sync: CUDA events on CUDA (they add
-    no sync of their own), the host clock elsewhere (where steps run synchronously)."""
-
-    def __init__(self, device: torch.device):
-        self.events = None
-        if device.type == "cuda":
-            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        self.clock = [0.0, 0.0]
-
-    def mark(self, end: int) -> None:
-        """end = 0 before the step, 1 after it."""
-        if self.events is not None:
-            self.events[end].record()
-        else:
-            self.clock[end] = time.perf_counter()
-
-    def seconds(self) -> float:
-        if self.events is not None:
-            return self.events[0].elapsed_time(self.events[1]) / 1000
-        return self.clock[1] - self.clock[0]
