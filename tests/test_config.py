@@ -72,9 +72,9 @@ def test_default_tap_layers_used_when_empty(base_cfg):
     cfg = cfg_with(base_cfg, draft__tap_layers=[])
     assert tap_layers(cfg.draft, 8) == [1, 3, 4] and tap_layers(cfg.draft, 32) == [1, 15, 28]
     assert tap_layers(cfg.draft, N_LAYERS) == [0, 1]
-    validate(cfg, 1)
-    _, _, draft, layers = build_models(cfg, torch.device("cpu"))  # what the job builds with them
-    assert layers == [0, 1] and draft.args.n_taps == 2
+    plan = validate(cfg, 1)
+    _, _, draft = build_models(cfg, torch.device("cpu"))  # what the job builds with them
+    assert plan.tap_layers == (0, 1) and draft.args.n_taps == 2
     assert tap_layers(cfg_with(base_cfg, draft__tap_layers=[0, 2]).draft, 8) == [0, 2]  # explicit ones win
 
 
