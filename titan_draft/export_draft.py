@@ -16,7 +16,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_draft.checkpoint import IN_RL, NOT_STARTED, SFT_DONE, WARMUP_DONE, TrainState
+from titan_draft.checkpoint import IN_RL, NOT_STARTED, SFT_DONE, WARMUP_DONE, TrainState, complete_steps
 from titan_draft.config import ConfigError, parse_config
 from titan_draft.eagle3 import BOTH_ENGINES, ENGINES, export_draft, tap_layer_ids
 from titan_draft.models import build_draft, policy_args
@@ -32,8 +32,7 @@ def checkpoint_step_folder(path: str) -> str:
         return path
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--checkpoint {path}: no such folder; give a job's checkpoint folder or a step-N in it")
-    steps = [int(name[5:]) for name in os.listdir(path) if name.startswith("step-") and name[5:].isdigit()
-             and os.path.isfile(os.path.join(path, name, ".metadata"))]
+    steps = complete_steps(path)
     if not steps:
         raise FileNotFoundError(f"--checkpoint {path}: no complete checkpoint (step-N folder with .metadata)")
     return os.path.join(path, f"step-{max(steps)}")

@@ -40,6 +40,7 @@ from titan_draft.rl_update import WholePolicy
 from titan_draft.rollout import RolloutEngine
 from titan_draft.step import PolicyHolder, RolloutBatch
 from titan_draft.tasks import Prompts
+from titan_draft.tasks.base import response_budget
 from titan_draft.timing import PhasePeak
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.utils import clip_grad_norm_
@@ -102,7 +103,7 @@ def collect_rollouts(s: RLState) -> Rollouts:
     # Every rank draws the whole step's prompts (same stream as one process) and rolls out its share.
     prompts = job.task.sample_prompts(rl.prompts_per_step, job.generators["data"])
     prompts = prompts.shard(*dp_rank_and_degree(job.dims)).repeat_interleave(rl.group_size)
-    result = s.engine.generate(prompts.ids, ro.max_new_tokens or job.task.max_new_tokens,
+    result = s.engine.generate(prompts.ids, response_budget(cfg, job.task.max_new_tokens),
                                num_speculative_tokens=ro.num_speculative_tokens if speculate else 0,
                                adaptive=ro.adaptive, temperature=ro.temperature, top_p=ro.top_p,
                                eos_id=job.task.tokenizer.eos_id, generator=job.generators["rollout"])
