@@ -30,13 +30,14 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from titan_draft import _compat
+from titan_draft.plan import RunPlan
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.utils import maybe_enable_amp
 
 
-def build_parallel_dims(plan) -> ParallelDims:
-    """torchtitan's ParallelDims of a titan_draft.plan.RunPlan (no mesh yet: building one needs the process group)."""
+def build_parallel_dims(plan: RunPlan) -> ParallelDims:
+    """torchtitan's ParallelDims of the run's plan (no mesh yet: building one needs the process group)."""
     return ParallelDims(dp_replicate=plan.dp_replicate, dp_shard=plan.dp_shard, cp=plan.cp, tp=plan.tp, pp=plan.pp,
                         ep=1, etp=1, world_size=plan.world_size)
 
