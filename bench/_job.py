@@ -11,6 +11,8 @@ from titan_draft.cotrain import DraftOptimizer
 from titan_draft.io import atomic_directory
 from titan_draft.job import Job, build_job, warm_start
 from titan_draft.metrics import MetricsLogger
+from titan_draft.parallel.parallelize import build_parallel_dims
+from titan_draft.plan import build_plan
 
 
 def add_job_arguments(parser, presets: dict, default: str) -> None:
@@ -45,7 +47,8 @@ def warm_started_job(cfg, dump_folder: str, saved: str | None = None) -> tuple[J
     saved: a folder holding a warm start of this config (loaded: 0 seconds) or where this one is written
     (a GPU's minutes of SFT, reused by later runs)."""
     cfg.draft.mode = "cotrain"
-    job = build_job(cfg, MetricsLogger(dump_folder, tensorboard=False))
+    plan = build_plan(cfg, 1)
+    job = build_job(cfg, MetricsLogger(dump_folder, tensorboard=False), plan=plan, dims=build_parallel_dims(plan))
     draft_opt = DraftOptimizer(job.draft, cfg.draft)
     path = saved and os.path.join(saved, WARM_START_FILE)
     if path and os.path.isfile(path):

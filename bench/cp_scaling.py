@@ -57,8 +57,10 @@ from titan_draft.packing import cu_seqlens_from_lengths, pack
 from titan_draft.parallel import CpGroup, cp_branch_attention
 from titan_draft.parallel.context_parallel import apply_context_parallel, shard_batch_for_cp
 from titan_draft.parallel.cp_attention import MODES
+from titan_draft.plan import build_plan
 from titan_draft.parallel.parallelize import (
     build_parallel_dims,
+    cp_mesh,
     loss_scale,
     parallelize_draft,
     parallelize_policy,
@@ -157,11 +159,9 @@ def build_cotrain(args, world: int):
                         "--parallelism.data_parallel_shard_degree", "1",
                         "--activation_checkpoint.mode", args.ac, "--draft.ttt_steps", str(args.ttt_steps),
                         "--draft.vocab_size", str(args.draft_vocab)])
-    dims = build_parallel_dims(cfg, world)
-    if world > 1:
+    dims = build_parallel_dims(build_plan(cfg, world))
+    if world > 1:  # one process: no meshes (the helpers below see no parallelism)
         dims.build_mesh()
-    else:
-        dims = None  # one process: no meshes, the helpers below take None for "no parallelism"
     margs = sized_model_args(args.policy, args.flavor, args.total, dim=args.policy_dim, layers=args.policy_layers,
                              heads=args.policy_heads, kv_heads=args.policy_kv_heads, vocab=args.vocab)
     policy = policy_from_args(margs, seed=args.seed)
@@ -170,9 +170,8 @@ def build_cotrain(args, world: int):
         from torchtitan.distributed.activation_checkpoint import apply_ac
 
         apply_ac(policy, cfg.activation_checkpoint)  # before FSDP, as torchtitan orders it
-    if world > 1:
-        parallelize_policy(policy, dims, cfg)
-        parallelize_draft(draft, dims, cfg)
+    parallelize_policy(policy, dims, cfg)
+    parallelize_draft(draft, dims, cfg)
     return cfg, dims, margs, policy, draft, layers
 
 
@@ -182,7 +181,7 @@ def measure_cotrain(args, device) -> list[dict]:
     cfg, dims, margs, policy, draft, layers = build_cotrain(args, world)
     spec = CoTrainSpec.from_config(cfg.draft, layers)
     sample = random_sample(args, margs.vocab_size).to(device)
-    mesh = None if dims is None else dims.get_mesh("cp")
+    mesh = cp_mesh(dims)
     # torchtitan's rule: FSDP does mixed precision, a single device uses AMP.
     amp = training_autocast(args.param_dtype, device, dims)
     group = None if mesh is None else mesh.get_group()

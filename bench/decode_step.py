@@ -34,6 +34,7 @@ from bench._common import REPO_ROOT, device_tag, environment, synchronize, write
 from bench._job import add_job_arguments, job_config, resolve_preset
 from titan_draft.models import build_models
 from titan_draft.parallel.parallelize import compute_dtype
+from titan_draft.plan import build_plan
 from titan_draft.rollout import EngineOptions, RolloutEngine
 from titan_draft.rollout.cached_model import cache_width
 from titan_draft.rollout.sampling import probs_from_logits, sample, speculative_accept
@@ -250,7 +251,8 @@ def main():
     a = parse_args()
     cfg = job_config(a.config, a.overrides)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    _, policy, draft, layers = build_models(cfg, device)
+    _, policy, draft = build_models(cfg, device)
+    layers = build_plan(cfg, 1).tap_layers
     weight_bytes = sum(p.numel() for p in policy.parameters()) * 2
     bandwidth = read_bandwidth(weight_bytes, device)
     print(f"{cfg.model.name} '{cfg.model.flavor}': {weight_bytes / 2 ** 30:.2f} GiB of bf16 weights; read bandwidth "

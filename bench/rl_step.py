@@ -37,6 +37,7 @@ import torch
 
 from bench._common import REPO_ROOT, alternate, environment, write_json
 from bench._job import add_job_arguments, job_config, resolve_preset, warm_started_job
+from titan_draft.plan import build_plan
 from titan_draft.train import RLState, rollouts_and_update, spec_metrics
 
 # The test's preset: the default job's config at the sizes of tests/test_rl_step.py.
@@ -96,8 +97,8 @@ def mode_state(job, draft_opt, mode: str, device: torch.device | None = None) ->
         draft.to(device)
         optimizer.optimizer.load_state_dict(optimizer.optimizer.state_dict())  # its state follows the params
     generators = {name: clone_generator(g) for name, g in job.generators.items()}
-    return RLState.create(dataclasses.replace(job, cfg=cfg, policy=policy, draft=draft, generators=generators),
-                          optimizer)
+    return RLState.create(dataclasses.replace(job, cfg=cfg, plan=build_plan(cfg, 1), policy=policy, draft=draft,
+                                              generators=generators), optimizer)
 
 
 def one_mode(job, draft_opt, mode: str, rounds: int, report) -> list:
@@ -131,7 +132,7 @@ def step_of(state: RLState):
                   "draft_acc_pass1": stats.get("draft_acc_pass1"),
                   **{key: m[key] for key in ("rollout_weights_s", "rollout_measure_s", "rollout_prefill_s",
                                              "rollout_decode_s", "rollout_unreplayed_calls")}}
-        if state.cfg.draft.mode != "none":
+        if state.job.plan.speculate:
             record["spec"] = spec_metrics(rollouts.counts)
         return record
 

@@ -35,6 +35,7 @@ from bench._job import add_job_arguments, job_config, resolve_preset, warm_start
 from bench.decode_step import read_bandwidth, step_costs
 from titan_draft.parallel.parallelize import compute_dtype
 from titan_draft.rollout import EngineOptions, RolloutEngine
+from titan_draft.tasks.base import response_budget
 
 ALL_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 PRESETS = {
@@ -111,7 +112,7 @@ def measure_batch(engine, job, a, batch_size: int, temperature: float, bandwidth
     (bench.decode_step.step_costs) at the plain column's mean position of a decode step."""
     task, cfg = job.task, job.cfg
     prompts = task.sample_prompts(batch_size, torch.Generator().manual_seed(a.seed + batch_size))
-    max_new_tokens = cfg.rollout.max_new_tokens or task.max_new_tokens
+    max_new_tokens = response_budget(cfg, task.max_new_tokens)
     cols = columns(engine.max_k)
     steps = {name: generation(engine, prompts, max_new_tokens, col, temperature, task.tokenizer.eos_id)
              for name, col in cols.items()}
@@ -165,7 +166,7 @@ def main():
     bandwidth = read_bandwidth(policy_params * engine.dtype.itemsize, device)
     print(f"warm start {warm_start_s:.1f} s; {cfg.model.name} '{cfg.model.flavor}' policy {policy_params / 1e6:.1f}M "
           f"params, draft {draft_params / 1e6:.1f}M, K_max = {k_max}, task {cfg.task.name} (max "
-          f"{cfg.rollout.max_new_tokens or job.task.max_new_tokens} new tokens), {engine.dtype} on {device} "
+          f"{response_budget(cfg, job.task.max_new_tokens)} new tokens), {engine.dtype} on {device} "
           f"({'CUDA graphs' if engine.cuda_graphs else 'eager'}{', compiled' if engine.compiled else ''})")
     out = a.out or os.path.join(REPO_ROOT, "bench", "results", f"rollout_speedup_{device_tag(device)}.json")
     rows = []

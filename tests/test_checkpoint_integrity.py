@@ -15,6 +15,7 @@ from titan_draft.checkpoint import IN_RL, MANIFEST, SFT_DONE, WARMUP_DONE, JobCh
 from titan_draft.config import ConfigError, parse_config
 from titan_draft.parallel.parallelize import init_process_group
 from titan_draft.models import build_models
+from titan_draft.plan import build_plan
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = ["--job.config_file", os.path.join(ROOT, "train_configs", "sort_tiny_cpu.toml"), "--model.flavor", "tiny_gqa",
@@ -26,8 +27,8 @@ DAMAGED = "is damaged (its SHA-256 differs from the one recorded at save); falli
 
 def job_checkpoint(folder, *overrides) -> JobCheckpoint:
     cfg = parse_config([*TINY, "--job.dump_folder", str(folder), *overrides])
-    _, policy, draft, _ = build_models(cfg, torch.device("cpu"))
-    return JobCheckpoint(cfg, policy, draft, {"data": torch.Generator().manual_seed(0)})
+    _, policy, draft = build_models(cfg, torch.device("cpu"))
+    return JobCheckpoint(cfg, policy, draft, {"data": torch.Generator().manual_seed(0)}, plan=build_plan(cfg, 1))
 
 
 @pytest.fixture

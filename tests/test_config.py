@@ -70,9 +70,9 @@ def test_default_tap_layers_used_when_empty(base_cfg):
     cfg = cfg_with(base_cfg, draft__tap_layers=[])
     assert tap_layers(cfg.draft, 8) == [1, 3, 4] and tap_layers(cfg.draft, 32) == [1, 15, 28]
     assert tap_layers(cfg.draft, N_LAYERS) == [0, 1]
-    validate(cfg, 1)
-    _, _, draft, layers = build_models(cfg, torch.device("cpu"))  # what the job builds with them
-    assert layers == [0, 1] and draft.args.n_taps == 2
+    plan = validate(cfg, 1)
+    _, _, draft = build_models(cfg, torch.device("cpu"))  # what the job builds with them
+    assert plan.tap_layers == (0, 1) and draft.args.n_taps == 2
     assert tap_layers(cfg_with(base_cfg, draft__tap_layers=[0, 2]).draft, 8) == [0, 2]  # explicit ones win
 
 
@@ -123,6 +123,19 @@ def test_degrees_must_divide_world_size(base_cfg):
     msg = expect_error(cfg, "parallelism:", world_size=6)
     assert "= 4 does not divide the world size 6" in msg
     validate(cfg, 8)  # 8 = 2 (shard, inferred from -1) x replicate 2 x tp 2
+
+
+def test_plan_is_the_config_resolved(base_cfg):
+    cfg = cfg_with(base_cfg, parallelism__tensor_parallel_degree=2, parallelism__data_parallel_replicate_degree=2,
+                   draft__tap_layers=[])
+    plan = validate(cfg, 8)
+    assert (plan.world_size, plan.dp_replicate, plan.dp_shard, plan.cp, plan.tp, plan.pp) == (8, 2, 2, 1, 2, 1)
+    assert plan.dp == 4 and plan.distributed and plan.tap_layers == (0, 1)  # -1 and the default taps resolved
+    assert plan.checkpoint_folder == os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+    decisions = {mode: validate(cfg_with(base_cfg, draft__mode=mode), 1) for mode in ("cotrain", "frozen", "none")}
+    assert {mode: (p.speculate, p.train_draft) for mode, p in decisions.items()} == {
+        "cotrain": (True, True), "frozen": (True, False), "none": (False, False)}
+    assert not decisions["none"].distributed and decisions["none"].dp == 1
 
 
 def test_degree_at_least_one(base_cfg):

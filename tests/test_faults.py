@@ -65,7 +65,7 @@ def test_diverging_job_exits_3_with_one_line_and_keeps_finite_checkpoints(tmp_pa
     from torch.distributed.checkpoint import load
     from titan_draft.models import build_models
 
-    _, policy, _, _ = build_models(parse_config(argv), torch.device("cpu"))
+    _, policy, _ = build_models(parse_config(argv), torch.device("cpu"))
     state = policy.state_dict()  # torchtitan keeps the model's entries at the top level
     load(state, checkpoint_id=str(tmp_path / "checkpoint" / f"step-{max(saved)}"))
     assert all(torch.isfinite(t).all() for t in state.values())

@@ -15,6 +15,8 @@ from titan_draft.job import build_job
 from titan_draft.metrics import TIMING_KEYS, MetricsLogger
 from titan_draft.models.policy import job_model_args, policy_from_args
 from titan_draft.packing import microbatch_ranges
+from titan_draft.parallel.parallelize import build_parallel_dims
+from titan_draft.plan import build_plan
 from titan_draft.train import RLState, train_step
 from titan_draft.warmstart import WarmStartRun, draft_vocab_from_data, next_token_loss_backward, sft_batch
 
@@ -41,7 +43,8 @@ def step(*overrides, mode="cotrain"):
     """One train_step on fixed rollouts: (metrics without timings, {param: grad} before the updates)."""
     cfg = parse_config([*TINY, "--draft.mode", mode, *overrides])
     torch.manual_seed(0)
-    job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, enabled=False))
+    plan = build_plan(cfg, 1)
+    job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, enabled=False), plan=plan, dims=build_parallel_dims(plan))
     draft_vocab_from_data(job.task, job.draft, torch.Generator().manual_seed(5))
     state = RLState.create(job, DraftOptimizer(job.draft, cfg.draft))
     grads = {}
@@ -116,7 +119,8 @@ def test_no_reference_without_kl():
 def test_sft_loss_in_microbatches_equals_one_batch():
     cfg = parse_config(TINY)
     torch.manual_seed(0)
-    job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, enabled=False))
+    plan = build_plan(cfg, 1)
+    job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, enabled=False), plan=plan, dims=build_parallel_dims(plan))
     batch = sft_batch(job.task, 16, WarmStartRun(torch.Generator().manual_seed(1), job.device, job.metrics))
     results = []
     for max_tokens, chunk in ((0, 0), (32, 5), (64, 1000)):

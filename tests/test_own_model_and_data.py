@@ -14,6 +14,8 @@ from titan_draft.config import parse_config
 from titan_draft.export_draft import main as export_main
 from titan_draft.job import build_job
 from titan_draft.metrics import MetricsLogger, read_metrics
+from titan_draft.parallel.parallelize import build_parallel_dims
+from titan_draft.plan import build_plan
 from titan_draft.train import main
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -50,7 +52,8 @@ def test_hf_checkpoint_and_jsonl_job_end_to_end(tmp_path):
     exported = tmp_path / "draft"
     export_main(["--checkpoint", str(run / "checkpoint"), "--output", str(exported), "--engine", "sglang", *argv])
     cfg = parse_config([*argv, "--draft.init_path", str(exported), "--job.dump_folder", str(tmp_path / "next")])
-    job = build_job(cfg, MetricsLogger(str(tmp_path / "next"), enabled=False))
+    plan = build_plan(cfg, 1)
+    job = build_job(cfg, MetricsLogger(str(tmp_path / "next"), enabled=False), plan=plan, dims=build_parallel_dims(plan))
     trained = {k: torch.empty_like(v) for k, v in job.draft.state_dict().items()}
     dcp.load({"draft": trained}, checkpoint_id=str(latest_step(run / "checkpoint")))
     for name, value in job.draft.state_dict().items():

@@ -59,12 +59,14 @@ def cotrain_step(argv, dims_from_world: bool, poison: str = "", return_state: bo
     from titan_draft.job import build_job
     from titan_draft.metrics import MetricsLogger
     from titan_draft.parallel.parallelize import build_parallel_dims, dp_rank_and_degree
+    from titan_draft.plan import build_plan
     from titan_draft.train import RLState, train_step
     from titan_draft.warmstart import draft_vocab_from_data
 
     cfg = parse_config(argv)
-    dims = build_parallel_dims(cfg, torch.distributed.get_world_size()) if dims_from_world else None
-    job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, enabled=False), dims)  # writes nothing
+    plan = build_plan(cfg, torch.distributed.get_world_size() if dims_from_world else 1)
+    dims = build_parallel_dims(plan)
+    job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, enabled=False), plan=plan, dims=dims)  # writes nothing
     draft_vocab_from_data(job.task, job.draft, torch.Generator().manual_seed(5))
     if poison:
         module = job.draft.lm_head if poison == "draft" else job.policy.output
@@ -142,9 +144,10 @@ def _timeout_worker(rank, world_size, argv):
     import torch.distributed as dist
 
     from titan_draft.parallel.parallelize import build_parallel_dims, describe_rank, loss_group, set_collective_timeout
+    from titan_draft.plan import build_plan
 
     cfg = parse_config(argv)
-    dims = build_parallel_dims(cfg, world_size)
+    dims = build_parallel_dims(build_plan(cfg, world_size))
     set_collective_timeout(dims, cfg.comm.train_timeout_seconds)
     if rank == 1:  # a stuck rank: never joins the collective
         time.sleep(12)

@@ -18,6 +18,8 @@ from titan_draft.config import parse_config
 from titan_draft.cotrain import DraftOptimizer
 from titan_draft.job import build_job
 from titan_draft.metrics import TIMING_KEYS, MetricsLogger, read_metrics
+from titan_draft.parallel.parallelize import build_parallel_dims
+from titan_draft.plan import build_plan
 from titan_draft.train import RLState, collect_rollouts, main, train_step
 from titan_draft.warmstart import WarmStartRun, draft_vocab_from_data, sft_policy
 
@@ -49,7 +51,8 @@ def same(a, b):
 def test_policy_update_is_the_same_in_every_draft_mode(tmp_path):
     cfg = parse_config([*TINY, "--job.dump_folder", str(tmp_path)])
     metrics = MetricsLogger(str(tmp_path), tensorboard=False)
-    job = build_job(cfg, metrics)
+    plan = build_plan(cfg, 1)
+    job = build_job(cfg, metrics, plan=plan, dims=build_parallel_dims(plan))
     policy, draft, task = job.policy, job.draft, job.task
     # A partly trained policy, so that some groups hold both rewards and the GRPO update is not zero.
     cfg.rl.sft_steps = 30
@@ -66,7 +69,8 @@ def test_policy_update_is_the_same_in_every_draft_mode(tmp_path):
         mode_cfg = copy.deepcopy(cfg)
         mode_cfg.draft.mode = mode
         mode_policy, mode_draft, mode_opt = copy.deepcopy((policy, draft, state.draft_opt))
-        s = RLState.create(dataclasses.replace(job, cfg=mode_cfg, policy=mode_policy, draft=mode_draft), mode_opt)
+        s = RLState.create(dataclasses.replace(job, cfg=mode_cfg, plan=build_plan(mode_cfg, 1), policy=mode_policy,
+                                               draft=mode_draft), mode_opt)
         stats = train_step(s, copy.deepcopy(rollouts))
         after[mode] = params(s.policy.parts[0]), params(s.job.draft), stats
     assert not same(after["cotrain"][0], policy_before)  # the policy did move

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from titan_draft.config import ConfigError, Task as TaskSection, parse_config
+from titan_draft.plan import build_plan
 from titan_draft.tasks import TASKS, Prompts, build_task, check_task
 from titan_draft.tasks.arith import CHARS, ArithTask, pareto_exponent
 from titan_draft.tasks.jsonl import answers_match, final_answer, reference_answer
@@ -56,7 +57,7 @@ def test_registry_matches_the_config_literal_and_builds_every_task(tmp_path):
     cfgs = {"sort": parse_config(["--task.name", "sort"]), "jsonl": jsonl_config(tmp_path),
             "arith": parse_config(["--task.name", "arith", "--training.seq_len", "1024"])}
     for name, cfg in cfgs.items():
-        check_task(cfg, 32)
+        check_task(cfg, 32, build_plan(cfg, 1))
         task = build_task(cfg, 32)
         assert task.name == name
         prompts = task.sample_prompts(4, torch.Generator().manual_seed(0))
@@ -78,7 +79,7 @@ def test_unknown_task_name():
     cfg = parse_config([])
     cfg.task.name = "chess"
     with pytest.raises(ConfigError, match=r"^task.name: 'chess' is unknown; use one of \['arith', 'jsonl', 'sort'\]$"):
-        check_task(cfg, 32)
+        check_task(cfg, 32, build_plan(cfg, 1))
 
 
 def test_prompts_repeat_shard_pad():
@@ -172,12 +173,12 @@ def test_chat_template_on_and_off(tmp_path):
     cfg = jsonl_config(tmp_path, "--task.chat_template", chat_template=None)
     with pytest.raises(ConfigError, match=rf"^task.chat_template: the tokenizer in {tmp_path} has no chat_template "
                        r"\(tokenizer_config.json or chat_template.jinja\); set task.chat_template = false$"):
-        check_task(cfg, 32)
+        check_task(cfg, 32, build_plan(cfg, 1))
 
 
 def expect_error(cfg, message: str, vocab_size: int = 32):
     with pytest.raises(ConfigError) as err:
-        check_task(cfg, vocab_size)
+        check_task(cfg, vocab_size, build_plan(cfg, 1))
     assert str(err.value) == message
 
 
@@ -206,7 +207,8 @@ def test_jsonl_checks(tmp_path):
     expect_error(cfg, f"training.dataset_path {data}: 2 of 3 SFT documents (prompt + answer + eos) are longer "
                  "than training.seq_len 12 (the longest has 16 tokens); set training.seq_len >= 16, or "
                  "rl.sft_steps = 0 and draft.warmup_steps = 0")
-    check_task(jsonl_config(tmp_path, "--training.seq_len", "12", "--rl.sft_steps", "0", "--draft.mode", "none"), 32)
+    cfg = jsonl_config(tmp_path, "--training.seq_len", "12", "--rl.sft_steps", "0", "--draft.mode", "none")
+    check_task(cfg, 32, build_plan(cfg, 1))
 
     expect_error(jsonl_config(tmp_path), f"model.hf_assets_path: the tokenizer's {len(WORDS) + 2} tokens do not fit "
                  "the policy's embedding of 16; use the policy's own tokenizer", vocab_size=16)

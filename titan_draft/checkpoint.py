@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_draft.errors import ConfigError
 from titan_draft.io import atomic_file
-from titan_draft.models import tap_layers
+from titan_draft.plan import RunPlan
 from titan_draft.ranks import is_rank0
 from torchtitan.components.checkpoint import CheckpointManager, ModelWrapper
 
@@ -107,18 +107,19 @@ class JobCheckpoint:
     """torchtitan's CheckpointManager over the job's states; objects that appear in later phases
     (optimizers, the reference policy) are registered with `track` when they exist."""
 
-    def __init__(self, cfg, policy: torch.nn.Module, draft: torch.nn.Module, generators: dict[str, torch.Generator]):
+    def __init__(self, cfg, policy: torch.nn.Module, draft: torch.nn.Module, generators: dict[str, torch.Generator],
+                 *, plan: RunPlan):
         self.train_state = TrainState()
         self.states = {"draft": ModelWrapper(draft), "rng": RNGState(generators), "train_state": self.train_state}
-        config = dataclasses.replace(cfg.checkpoint, interval=1)
+        # The plan's folder whole: torchtitan joins it to its (empty) base folder.
+        config = dataclasses.replace(cfg.checkpoint, interval=1, folder=plan.checkpoint_folder)
         self.manager = CheckpointManager(dataloader=None, model_parts=[policy], optimizers=None, lr_schedulers=None,
-                                         states=self.states, checkpoint_config=config, sd_adapter=None,
-                                         base_folder=cfg.job.dump_folder)
+                                         states=self.states, checkpoint_config=config, sd_adapter=None)
         for unused in ("dataloader", "optimizer", "lr_scheduler"):  # torchtitan's slots this job leaves empty
             self.states.pop(unused)
         self.enabled, self.load_step = cfg.checkpoint.enable, cfg.checkpoint.load_step
         self.interval, self.total_rl_steps = cfg.checkpoint.interval, cfg.training.steps
-        self.settings = job_settings(cfg, len(policy.layers), draft.args)
+        self.settings = job_settings(cfg, plan, draft.args)
         self._resume_step = None  # chosen once, by resume_phase()
 
     def track(self, **states: Stateful) -> None:
@@ -192,21 +193,16 @@ class JobCheckpoint:
         self.manager.close()
 
 
-def job_settings(cfg, n_layers: int, draft_args) -> dict:
+def job_settings(cfg, plan: RunPlan, draft_args) -> dict:
     """What a resume must share with the job that saved: every saved tensor's shape and which rank saved
     what (the RNG states are per rank)."""
-    p = cfg.parallelism
-    world_size = _rank_and_size()[1]
-    others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.context_parallel_degree * \
-        p.pipeline_parallel_degree
-    shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree != -1 else world_size // others
-    return {"model.name": cfg.model.name, "model.flavor": cfg.model.flavor, "world size (NGPU)": world_size,
-            "parallelism.data_parallel_replicate_degree": p.data_parallel_replicate_degree,
-            "parallelism.data_parallel_shard_degree": shard,
-            "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
-            "parallelism.context_parallel_degree": p.context_parallel_degree,
-            "parallelism.pipeline_parallel_degree": p.pipeline_parallel_degree,
-            "draft.tap_layers": tap_layers(cfg.draft, n_layers), "draft.vocab_size": draft_args.draft_vocab_size,
+    return {"model.name": cfg.model.name, "model.flavor": cfg.model.flavor, "world size (NGPU)": plan.world_size,
+            "parallelism.data_parallel_replicate_degree": plan.dp_replicate,
+            "parallelism.data_parallel_shard_degree": plan.dp_shard,
+            "parallelism.tensor_parallel_degree": plan.tp,
+            "parallelism.context_parallel_degree": plan.cp,
+            "parallelism.pipeline_parallel_degree": plan.pp,
+            "draft.tap_layers": list(plan.tap_layers), "draft.vocab_size": draft_args.draft_vocab_size,
             "draft.n_heads": draft_args.n_heads, "draft.n_kv_heads": draft_args.n_kv_heads, "task.name": cfg.task.name}
 
 

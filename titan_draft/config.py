@@ -175,13 +175,15 @@ def parse_config(args: list[str]):
     return ConfigManager().parse_args(args)
 
 
-def validate(cfg, world_size: int) -> None:
-    """Raise ConfigError (one line: key, value, allowed range, fix) for settings that cannot work.
+def validate(cfg, world_size: int):
+    """Raise ConfigError (one line: key, value, allowed range, fix) for settings that cannot work; else
+    return the run's plan (titan_draft.plan.RunPlan: the config resolved for `world_size` processes).
 
     Runs before any process group exists, so a bad config never half-starts a job.
     """
     from titan_draft.hf import check_hf_assets
     from titan_draft.models import policy_args, tap_layers
+    from titan_draft.plan import build_plan
 
     check_hf_assets(cfg, needs_tokenizer=cfg.task.name == "jsonl")  # first: the model's shape may come from there
     args = policy_args(cfg)
@@ -243,12 +245,13 @@ def validate(cfg, world_size: int) -> None:
     need(shard == -1 or shard * product == world_size,
          f"parallelism.data_parallel_shard_degree: {shard} x (replicate x tp x cp x pp = {product}) "
          f"= {shard * product} != world size {world_size}; set it to {world_size // product} or -1")
+    plan = build_plan(cfg, world_size)  # what it resolves (draft mode, tap layers, degrees) is checked above
     cp = p.context_parallel_degree
     seq = cfg.training.seq_len
     need(seq >= 1, f"training.seq_len: {seq} must be >= 1")
     from titan_draft.tasks import check_task
 
-    check_task(cfg, vocab_size)  # the task's own lengths, data and tokenizer
+    check_task(cfg, vocab_size, plan)  # the task's own lengths, data and tokenizer
     need(cfg.training.seq_len % (2 * cp) == 0, f"training.seq_len: {cfg.training.seq_len} is not divisible by "
          f"2 * context_parallel_degree = {2 * cp}; use a multiple of {2 * cp}")
     ac = cfg.activation_checkpoint.mode
@@ -264,7 +267,8 @@ def validate(cfg, world_size: int) -> None:
          "parallelism.pipeline_parallel_degree to 1")
     need(pp == 1 or d.train_fraction == 1, f"draft.train_fraction: {d.train_fraction} needs the draft on whole "
          "batches, but pipeline stages train it per microbatch; set it to 1 or parallelism.pipeline_parallel_degree to 1")
-    _validate_composition(cfg, world_size, args, need)
+    _validate_composition(cfg, plan, args, need)
+    return plan
 
 
 def _degree_fix(degrees: dict, world_size: int) -> str:
@@ -313,21 +317,18 @@ def _type_name(hint) -> str:
     return getattr(hint, "__name__", str(hint)) if isinstance(hint, type) else str(hint)
 
 
-def _validate_composition(cfg, world_size: int, args, need) -> None:
+def _validate_composition(cfg, plan, args, need) -> None:
     """Parallel layouts, data split, checkpointing and timeouts (titan_draft/parallel/parallelize.py,
     titan_draft/checkpoint.py)."""
     p, ck, comm = cfg.parallelism, cfg.checkpoint, cfg.comm
     need(p.expert_parallel_degree == 1, f"parallelism.expert_parallel_degree: {p.expert_parallel_degree} is not "
          "supported (dense policies only); set it to 1")
-    other = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.context_parallel_degree * \
-        p.pipeline_parallel_degree
-    dp = p.data_parallel_replicate_degree * (world_size // other if p.data_parallel_shard_degree == -1
-                                             else p.data_parallel_shard_degree)
+    dp = plan.dp
     need(cfg.rl.prompts_per_step % dp == 0, f"rl.prompts_per_step: {cfg.rl.prompts_per_step} does not divide "
          f"among the {dp} data-parallel ranks; use a multiple of {dp}")
-    if p.pipeline_parallel_degree > 1:
+    if plan.pp > 1:
         _validate_pipeline(cfg, dp, args.n_layers, need)
-    tp = p.tensor_parallel_degree
+    tp = plan.tp
     if tp > 1:
         need(cfg.rl.logprob_chunk_size == 0, f"rl.logprob_chunk_size: {cfg.rl.logprob_chunk_size} needs the whole LM "
              "head on every rank, but tensor parallelism splits it over the vocabulary; set it to 0")

@@ -15,15 +15,18 @@ from titan_draft.metrics import MetricsLogger
 from titan_draft.models import build_models
 from titan_draft.parallel.parallelize import (apply_activation_checkpointing, dp_rank_and_degree, parallelize_draft,
                                               parallelize_policy, training_autocast)
+from titan_draft.plan import RunPlan
 from titan_draft.tasks import build_task
 from titan_draft.warmstart import WarmStartRun, draft_vocab_from_data, sft_policy, warmup_draft
+from torchtitan.distributed import ParallelDims
 
 
 @dataclass
 class Job:
-    """What every phase of the job reads: config, task, models, where they run, the data streams."""
+    """What every phase of the job reads: config and plan, task, models, where they run, the data streams."""
 
     cfg: object
+    plan: RunPlan
     task: object
     policy: torch.nn.Module
     draft: torch.nn.Module
@@ -31,7 +34,7 @@ class Job:
     device: torch.device
     generators: dict  # data (prompts, SFT), rollout (sampling), warmup (the draft warm-up's documents)
     metrics: MetricsLogger
-    dims: object = None  # torchtitan ParallelDims of a multi-process run
+    dims: ParallelDims  # its meshes (built on first use; none in one process)
 
     @property
     def amp(self):
@@ -39,8 +42,9 @@ class Job:
         return training_autocast(self.cfg.training.mixed_precision_param, self.device, self.dims)
 
 
-def build_job(cfg, metrics: MetricsLogger, dims=None) -> Job:
-    """The task, the policy and draft (initial weights loaded, parallelized), the seeded generators."""
+def build_job(cfg, metrics: MetricsLogger, *, plan: RunPlan, dims: ParallelDims) -> Job:
+    """The task, the policy and draft (initial weights loaded, parallelized over `dims`: in place, nothing
+    in one process), the seeded generators."""
     device = _compat.device()
     seed = cfg.debug.seed if cfg.debug.seed is not None else 0
     torch.manual_seed(seed)
@@ -51,17 +55,17 @@ def build_job(cfg, metrics: MetricsLogger, dims=None) -> Job:
         # starts RL on the same prompts.
         "warmup": torch.Generator().manual_seed(seed + 3),
     }
-    args, policy, draft, layers = build_models(cfg, device)
+    args, policy, draft = build_models(cfg, device)
     if cfg.checkpoint.initial_load_path:  # a Hugging Face policy (a resumed checkpoint overrides it later)
         load_policy(policy, cfg.model.name, args, cfg.checkpoint.initial_load_path)
     if cfg.draft.init_path:  # a published EAGLE-3 draft, its vocabulary maps included
-        load_draft(draft, cfg.draft.init_path, layers, n_layers=args.n_layers)
+        load_draft(draft, cfg.draft.init_path, plan.tap_layers, n_layers=args.n_layers)
     task = build_task(cfg, args.vocab_size)
     apply_activation_checkpointing(policy, cfg)
-    if dims is not None:
-        parallelize_policy(policy, dims, cfg)
-        parallelize_draft(draft, dims, cfg)
-    return Job(cfg, task, policy, draft, CoTrainSpec.from_config(cfg.draft, layers), device, generators, metrics, dims)
+    parallelize_policy(policy, dims, cfg)
+    parallelize_draft(draft, dims, cfg)
+    return Job(cfg, plan, task, policy, draft, CoTrainSpec.from_config(cfg.draft, plan.tap_layers), device, generators,
+               metrics, dims)
 
 
 def warm_start_run(job: Job, stream: str) -> WarmStartRun:
@@ -83,7 +87,7 @@ def warm_start(job: Job, draft_opt: DraftOptimizer, checkpoint: JobCheckpoint | 
     if resume_phase < WARMUP_DONE:
         if not cfg.draft.init_path:  # a loaded draft brings its own vocabulary
             draft_vocab_from_data(job.task, job.draft, job.generators["data"])
-        if cfg.draft.mode != "none":
+        if job.plan.speculate:
             warmup_draft(job.policy, job.draft, job.task, job.spec, optimizer=draft_opt, steps=cfg.draft.warmup_steps,
                          batch_size=cfg.rl.sft_batch_size,
                          run=warm_start_run(job, "warmup"))

@@ -53,12 +53,12 @@ def reference_dtype(cfg, device, param_dtype: torch.dtype) -> torch.dtype:
 def reference_policy(policy: nn.Module, job) -> nn.Module:
     """A frozen copy of the policy in reference_dtype, laid out as the policy (FSDP modules cannot be
     deep-copied: the same layout, then the sharded state)."""
-    cfg, dims = job.cfg, job.dims
+    cfg = job.cfg
     dtype = reference_dtype(cfg, job.device, next(policy.parameters()).dtype)
-    if dims is None:
+    if not job.plan.distributed:  # one process: the policy is a plain module
         reference = cast_parameters(copy.deepcopy(policy), dtype)
     else:
-        reference = parallelize_policy(cast_parameters(policy_from_args(job_model_args(cfg)), dtype), dims, cfg)
+        reference = parallelize_policy(cast_parameters(policy_from_args(job_model_args(cfg)), dtype), job.dims, cfg)
         set_model_state_dict(reference, get_model_state_dict(policy))
     return reference.requires_grad_(False)
 
@@ -71,7 +71,8 @@ class WholePolicy:
     def __init__(self, job):
         """job: titan_draft.job.Job, its policy warm-started (it becomes parts[0], updated in place)."""
         cfg, policy, dims = job.cfg, job.policy, job.dims
-        self.cfg, self.draft, self.spec, self.dims, self.amp = cfg, job.draft, job.spec, dims, job.amp
+        self.cfg, self.plan, self.draft, self.spec, self.dims = cfg, job.plan, job.draft, job.spec, dims
+        self.amp = job.amp
         self.parts = [policy]
         self.reference_parts = [reference_policy(policy, job)] if needs_reference(cfg.rl) else []
         self.cp_mesh = cp_mesh(dims)
@@ -84,7 +85,7 @@ class WholePolicy:
     def forward_backward(self, rollouts: RolloutBatch) -> StepSums:
         """The policy's micro-batches (GRPO loss; taps and teacher kept for the draft), then the draft's
         (its TTT loss); both backwards. Nothing of the draft's reaches the policy: its inputs are detached."""
-        rl, mode, device = self.cfg.rl, self.cfg.draft.mode, self.draft.fc.weight.device
+        rl, device = self.cfg.rl, self.draft.fc.weight.device
         whole = rollouts.packed()
         # The step's normalisers, over every micro-batch and rank, before any forward.
         num_tokens = sum_over_dp(whole.loss_mask.sum().float().to(device), self.dims)
@@ -96,7 +97,7 @@ class WholePolicy:
             draft_pieces.append(piece)
 
         per_pass, total = torch.zeros(0, 3, dtype=torch.float64, device=device), torch.zeros((), device=device)
-        if mode != "none":
+        if self.plan.speculate:
             with self.draft_timer():
                 pairs = sum_over_dp(valid_pairs(whole.loss_mask, whole.shift(self.spec.ttt_steps),
                                                 self.spec.ttt_steps).to(device), self.dims)
@@ -104,7 +105,7 @@ class WholePolicy:
                 total, per_pass = draft_backward(
                     self.draft, features, self.spec, count=pairs,
                     scale=len(rollouts.tokens) / len(rollouts.drafted()), max_tokens=rl.max_tokens_per_microbatch,
-                    group=batch_group(self.dims), train=mode == "cotrain", grad_scale=loss_scale(self.dims))
+                    group=batch_group(self.dims), train=self.plan.train_draft, grad_scale=loss_scale(self.dims))
             per_pass = sum_over_dp(per_pass, self.dims, "loss")
         policy_sums = torch.cat([sum_over_dp(policy_sums, self.dims, "loss"), num_tokens[None].double()])
         return StepSums(policy_sums, per_pass, sum_over_dp(total, self.dims, "loss"),
@@ -123,7 +124,7 @@ class WholePolicy:
         rows = batch.loss_mask.nonzero().flatten()  # the response rows: the only ones the losses read
         targets = batch.shift(1)(batch.tokens, 1)[rows]  # across shard edges under CP
         advantages = micro.advantages.to(device).repeat_interleave(batch.cu_seqlens.diff().long())[rows]
-        drafting = self.cfg.draft.mode != "none" and len(micro.drafted()) > 0
+        drafting = self.plan.speculate and len(micro.drafted()) > 0
         request = HeadRequest(rows, targets, chunk)
         if drafting:  # the teacher at the response rows of the drawn documents
             _, draft_rows = batch.documents(micro.drafted().to(device))

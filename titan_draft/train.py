@@ -12,7 +12,8 @@ How a step flows (README "How a step flows"):
                           not finite) -> draft optimizer step (own LR, clip, skip/restore rule)
 `s.policy` is the policy holder: rl_update.WholePolicy (one process, FSDP / TP / CP) or
 parallel/pipeline_rl.PipelinedPolicy (pipeline stages); only their forward_backward differs.
-[draft] mode = "cotrain" | "frozen" | "none" switches the draft's update / speculation off.
+[draft] mode = "cotrain" | "frozen" | "none" switches the draft's update / speculation off; the job reads
+it from the run's plan (titan_draft/plan.py: plan.train_draft, plan.speculate), as every setting resolved once.
 """
 import json
 import os
@@ -31,13 +32,17 @@ from titan_draft.job import Job, build_job, warm_start
 from titan_draft.job_guard import die_with_launcher, lock_dump_folder
 from titan_draft.metrics import MetricsLogger
 from titan_draft.parallel.parallelize import (build_parallel_dims, compute_dtype, describe_rank, dp_rank_and_degree,
-                                              init_process_group, mean_over_dp, set_collective_timeout, sum_over_dp)
+                                              init_process_group, mean_over_dp, optional_mesh, set_collective_timeout,
+                                              sum_over_dp)
 from titan_draft.parallel.pipeline_rl import PipelinedPolicy
+from titan_draft.plan import RunPlan
 from titan_draft.rl_update import WholePolicy
 from titan_draft.rollout import EngineOptions, RolloutEngine
 from titan_draft.step import PolicyHolder, RolloutBatch
 from titan_draft.tasks import Prompts
+from titan_draft.tasks.base import response_budget
 from titan_draft.timing import PhasePeak
+from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.utils import clip_grad_norm_
 
 
@@ -59,10 +64,10 @@ class RLState:
     @classmethod
     def create(cls, job: Job, draft_opt: DraftOptimizer) -> "RLState":
         cfg, args = job.cfg, job.policy.model_args
-        holder = PipelinedPolicy if job.dims is not None and job.dims.pp_enabled else WholePolicy
+        holder = PipelinedPolicy if job.plan.pp > 1 else WholePolicy
         policy = holder(job)
         # Rollouts run in the training forwards' precision: bf16 on GPU by default, float32 on CPU.
-        engine = RolloutEngine(args, job.draft.args if cfg.draft.mode != "none" else None, job.spec.tap_layers,
+        engine = RolloutEngine(args, job.draft.args if job.plan.speculate else None, job.spec.tap_layers,
                                max_batch_size=cfg.rl.prompts_per_step * cfg.rl.group_size,
                                max_seq_len=cfg.training.seq_len, device=job.device,
                                dtype=compute_dtype(cfg.training.mixed_precision_param, job.device),
@@ -92,15 +97,14 @@ class Rollouts:
 def collect_rollouts(s: RLState) -> Rollouts:
     """group_size samples per prompt from the current policy, drafted when speculating."""
     cfg, job = s.cfg, s.job
-    ro, rl = cfg.rollout, cfg.rl
-    speculate = cfg.draft.mode != "none"
+    ro, rl, speculate = cfg.rollout, cfg.rl, job.plan.speculate
     t0 = time.perf_counter()
     s.engine.load_weights(*s.policy.rollout_weights(speculate))
     weights_s = time.perf_counter() - t0
     # Every rank draws the whole step's prompts (same stream as one process) and rolls out its share.
     prompts = job.task.sample_prompts(rl.prompts_per_step, job.generators["data"])
     prompts = prompts.shard(*dp_rank_and_degree(job.dims)).repeat_interleave(rl.group_size)
-    result = s.engine.generate(prompts.ids, ro.max_new_tokens or job.task.max_new_tokens,
+    result = s.engine.generate(prompts.ids, response_budget(cfg, job.task.max_new_tokens),
                                num_speculative_tokens=ro.num_speculative_tokens if speculate else 0,
                                adaptive=ro.adaptive, temperature=ro.temperature, top_p=ro.top_p,
                                eos_id=job.task.tokenizer.eos_id, generator=job.generators["rollout"])
@@ -146,19 +150,18 @@ def spec_metrics(counts: torch.Tensor) -> dict[str, float]:
 def train_step(s: RLState, r: Rollouts) -> dict:
     """Rewards and advantages, the policy holder's forward/backward, then the policy's and the draft's
     separate updates; returns the step's training metrics."""
-    cfg, job = s.cfg, s.job
+    cfg, job, plan = s.cfg, s.job, s.job.plan
     t1 = time.perf_counter()
     rewards = job.task.rewards(r.prompts, r.responses())
     # The rollouts the draft runs on this step (all of them unless draft.train_fraction < 1).
-    documents = None if cfg.draft.mode == "none" else sample_documents(len(r.tokens), cfg.draft.train_fraction,
-                                                                         job.generators["rollout"])
+    documents = sample_documents(len(r.tokens), cfg.draft.train_fraction, job.generators["rollout"]) \
+        if plan.speculate else None
     batch = RolloutBatch(r.tokens, r.prompt_lengths, r.response_lengths, group_advantages(rewards, cfg.rl.group_size),
                          draft_documents=documents)
     sums = s.policy.forward_backward(batch)
 
     params = [p for part in s.policy.parts for p in part.parameters()]
-    pp_mesh = job.dims.get_optional_mesh("pp") if job.dims is not None else None
-    grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_mesh=pp_mesh)
+    grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_mesh=optional_mesh(job.dims, "pp"))
     if bool(torch.isfinite(sums.policy[0])) and bool(torch.isfinite(grad_norm)):
         s.policy.optimizer.step()
         s.policy_skips_in_a_row = 0
@@ -166,7 +169,7 @@ def train_step(s: RLState, r: Rollouts) -> dict:
         s.policy_updates_skipped += 1
         s.policy_skips_in_a_row += 1
     s.policy.optimizer.zero_grad(set_to_none=True)
-    if cfg.draft.mode == "cotrain":
+    if plan.train_draft:
         with s.policy.draft_timer():
             s.draft_opt.step(sums.draft_loss)  # the same total on every rank: all skip together
 
@@ -174,13 +177,13 @@ def train_step(s: RLState, r: Rollouts) -> dict:
         reward_sum, num_samples = sum_over_dp(torch.stack([rewards.sum(), torch.tensor(float(len(rewards)))])
                                               .to(job.device), job.dims).tolist()
     draft = sums.draft_metrics()
-    if cfg.draft.mode != "none":  # the draft's share of train_time_s (its forward, backward and step)
+    if plan.speculate:  # the draft's share of train_time_s (its forward, backward and step)
         draft["draft_time_s"] = s.policy.draft_timer.pop_seconds()
-    if cfg.draft.mode == "cotrain":
+    if plan.train_draft:
         draft["draft_updates_skipped"] = s.draft_opt.skipped
     metrics = {"reward_mean": reward_sum / num_samples, **draft, **sums.policy_metrics(),
                "train_time_s": time.perf_counter() - t1, "policy_updates_skipped": s.policy_updates_skipped}
-    if cfg.draft.mode == "cotrain":
+    if plan.train_draft:
         metrics["draft_restores"] = s.draft_opt.restores
     if s.policy_skips_in_a_row >= cfg.rl.stop_after_skips > 0:
         raise PolicyDiverged(f"rl: the policy's loss or gradient norm was not finite in {s.policy_skips_in_a_row} RL "
@@ -205,7 +208,7 @@ def rl_step(s: RLState, step: int) -> dict:
     """RL step `step` (see the module docstring); returns its metrics."""
     rollouts, trained = rollouts_and_update(s)
     metrics = {**mean_over_dp(rollouts.metrics, s.job.dims), **trained}
-    if s.cfg.draft.mode != "none":
+    if s.job.plan.speculate:
         metrics.update(spec_metrics(sum_over_dp(rollouts.counts.to(s.job.device), s.job.dims).cpu()))
     _dump_samples(s, rollouts, step)
     return metrics
@@ -231,18 +234,17 @@ def _dump_samples(s: RLState, r: Rollouts, step: int) -> None:
 def main(argv: list[str]) -> None:
     die_with_launcher()  # torchrun's workers live in sessions of their own
     cfg = parse_config(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    validate(cfg, world_size)  # before any process group
+    plan = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # before any process group
     lock_dump_folder(cfg.job.dump_folder)  # rank 0: one job per dump folder
     init_process_group(cfg)
-    dims = build_parallel_dims(cfg, world_size) if world_size > 1 else None
+    dims = build_parallel_dims(plan)
     try:
-        run(cfg, dims)
+        run(cfg, plan=plan, dims=dims)
     except PolicyDiverged as err:
         print(f"stopped: {err}", file=sys.stderr)
         raise SystemExit(3) from None
     except (RuntimeError, dist.DistError) as err:  # collective timeouts included: say where
-        if dims is None:
+        if not plan.distributed:
             raise
         raise RuntimeError(f"{describe_rank(dims)} failed (collective timeouts: [comm] "
                            f"init_timeout_seconds / train_timeout_seconds): {err}") from err
@@ -250,11 +252,11 @@ def main(argv: list[str]) -> None:
         dist.destroy_process_group()
 
 
-def run(cfg, dims) -> None:
+def run(cfg, *, plan: RunPlan, dims: ParallelDims) -> None:
     metrics = MetricsLogger(cfg.job.dump_folder)
-    job = build_job(cfg, metrics, dims)
+    job = build_job(cfg, metrics, plan=plan, dims=dims)
     checkpoint = JobCheckpoint(cfg, job.policy, job.draft, {"data": job.generators["data"],
-                                                            "rollout": job.generators["rollout"]})
+                                                            "rollout": job.generators["rollout"]}, plan=plan)
     resume_phase = checkpoint.resume_phase()
     draft_opt = DraftOptimizer(job.draft, cfg.draft)
     if resume_phase >= WARMUP_DONE:
@@ -270,7 +272,7 @@ def run(cfg, dims) -> None:
     first_step = checkpoint.train_state.rl_step + 1
     for step in range(first_step, cfg.training.steps + 1):
         metrics.log("rl", step, rl_step(state, step))
-        if step == first_step and dims is not None:  # this run's first step is done: tighter timeout
+        if step == first_step and plan.distributed:  # this run's first step is done: tighter timeout
             set_collective_timeout(dims, cfg.comm.train_timeout_seconds)
         checkpoint.save(IN_RL, step)
     checkpoint.close()

@@ -30,8 +30,8 @@ def build_draft(cfg, args, device) -> tuple[EagleDraft, list[int]]:
 
 
 def build_models(cfg, device):
-    """(policy args, policy, draft, tap layers): both models initialised from the config's seed."""
+    """(policy args, policy, draft): both models initialised from the config's seed."""
     args = policy_args(cfg)
     policy = policy_from_args(args, seed=cfg.debug.seed)
-    draft, layers = build_draft(cfg, args, device)
-    return args, policy, draft, layers
+    draft, _ = build_draft(cfg, args, device)  # the job's tap layers are its plan's
+    return args, policy, draft

@@ -1,7 +1,8 @@
 """Meshes, FSDP2 and tensor parallelism for the policy and the draft, from torchtitan's [parallelism] keys.
 
-- Meshes: torchtitan's ParallelDims (dp_replicate, dp_shard, cp, tp, pp); `build_parallel_dims`
-  is the one place that reads the degrees.
+- Meshes: torchtitan's ParallelDims (dp_replicate, dp_shard, cp, tp, pp), built from the run's plan
+  (`build_parallel_dims`; titan_draft/plan.py resolves the degrees), also for one process. Its meshes
+  are built on first use by collectives; a one-process run never builds them (`optional_mesh`).
 - Tensor parallel (both models): attention heads and MLP columns split over `tp` (torch's
   Colwise/RowwiseParallel on the same projections as torchtitan's llama3 plan), norms replicated.
   Unlike torchtitan's plan there is no sequence parallelism: every decoder layer's output stays
@@ -29,16 +30,22 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from titan_draft import _compat
+from titan_draft.plan import RunPlan
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.utils import maybe_enable_amp
 
 
-def build_parallel_dims(cfg, world_size: int) -> ParallelDims:
-    p = cfg.parallelism
-    return ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-                        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
-                        pp=p.pipeline_parallel_degree, ep=1, etp=1, world_size=world_size)
+def build_parallel_dims(plan: RunPlan) -> ParallelDims:
+    """torchtitan's ParallelDims of the run's plan (no mesh yet: building one needs the process group)."""
+    return ParallelDims(dp_replicate=plan.dp_replicate, dp_shard=plan.dp_shard, cp=plan.cp, tp=plan.tp, pp=plan.pp,
+                        ep=1, etp=1, world_size=plan.world_size)
+
+
+def optional_mesh(dims: ParallelDims, name: str):
+    """dims' mesh `name`, or None where that dimension has one rank (torchtitan's get_optional_mesh); a
+    one-process run has none and never builds any (that would take a process group)."""
+    return dims.get_optional_mesh(name) if dims.world_size > 1 else None
 
 
 def init_process_group(cfg) -> None:
@@ -58,15 +65,12 @@ def compute_dtype(param_dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else TORCH_DTYPE_MAP[param_dtype]
 
 
-def training_autocast(param_dtype: str, device: torch.device, dims: ParallelDims | None = None):
+def training_autocast(param_dtype: str, device: torch.device, dims: ParallelDims):
     """The training forwards' mixed precision, by torchtitan's rule: FSDP casts the parameters itself,
     otherwise autocast to compute_dtype; nothing to do when that is float32. The object is reusable:
     enter it around every training forward."""
-    dtype = compute_dtype(param_dtype, device)
-    if dtype == torch.float32:
+    if compute_dtype(param_dtype, device) == torch.float32:
         return contextlib.nullcontext()
-    if dims is None:
-        return torch.autocast(device.type, dtype=dtype)
     return maybe_enable_amp(dims, param_dtype, device.type)
 
 
@@ -90,32 +94,32 @@ def describe_rank(dims: ParallelDims) -> str:
     return f"rank {dist.get_rank()} ({', '.join(parts) or 'single'})"
 
 
-def dp_rank_and_degree(dims: ParallelDims | None) -> tuple[int, int]:
+def dp_rank_and_degree(dims: ParallelDims) -> tuple[int, int]:
     """This rank's index among the data-parallel ranks (dp_replicate x dp_shard) that split the rollouts."""
-    mesh = dims.get_optional_mesh("batch") if dims is not None else None
+    mesh = optional_mesh(dims, "batch")
     return (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
 
 
-def batch_group(dims: ParallelDims | None):
+def batch_group(dims: ParallelDims):
     """The process group of the data-parallel ranks (dp_replicate x dp_shard: different rollouts), or None."""
-    mesh = dims.get_optional_mesh("batch") if dims is not None else None
+    mesh = optional_mesh(dims, "batch")
     return None if mesh is None else mesh.get_group()
 
 
-def loss_group(dims: ParallelDims | None):
+def loss_group(dims: ParallelDims):
     """The process group of all ranks holding different rows (dp x cp), or None."""
-    mesh = dims.get_optional_mesh("loss") if dims is not None else None
+    mesh = optional_mesh(dims, "loss")
     return None if mesh is None else mesh.get_group()
 
 
-def cp_mesh(dims: ParallelDims | None):
-    return dims.get_optional_mesh("cp") if dims is not None else None
+def cp_mesh(dims: ParallelDims):
+    return optional_mesh(dims, "cp")
 
 
-def sum_over_dp(values: torch.Tensor, dims: ParallelDims | None, mesh_name: str = "batch") -> torch.Tensor:
+def sum_over_dp(values: torch.Tensor, dims: ParallelDims, mesh_name: str = "batch") -> torch.Tensor:
     """Sum of a (detached) tensor over the data-parallel ranks ("batch": per-sample totals) or over
     dp x cp ("loss": per-row totals and counts)."""
-    mesh = dims.get_optional_mesh(mesh_name) if dims is not None else None
+    mesh = optional_mesh(dims, mesh_name)
     if mesh is None:
         return values
     total = values.detach().clone()
@@ -123,7 +127,7 @@ def sum_over_dp(values: torch.Tensor, dims: ParallelDims | None, mesh_name: str 
     return total
 
 
-def mean_over_dp(metrics: dict[str, float], dims: ParallelDims | None) -> dict[str, float]:
+def mean_over_dp(metrics: dict[str, float], dims: ParallelDims) -> dict[str, float]:
     """Per-rank float metrics averaged over the data-parallel ranks."""
     degree = dp_rank_and_degree(dims)[1]
     if degree == 1:
@@ -132,10 +136,10 @@ def mean_over_dp(metrics: dict[str, float], dims: ParallelDims | None) -> dict[s
     return dict(zip(metrics, (totals / degree).tolist()))
 
 
-def loss_scale(dims: ParallelDims | None) -> float:
+def loss_scale(dims: ParallelDims) -> float:
     """Factor that turns FSDP's average over the loss mesh (dp x cp) into the sum that losses
     normalised by global counts need."""
-    return 1.0 if dims is None else float(dims.dp_replicate * dims.dp_shard * dims.cp)
+    return float(dims.dp_replicate * dims.dp_shard * dims.cp)
 
 
 def _fsdp_mesh(dims: ParallelDims):

@@ -29,7 +29,7 @@ from titan_draft.io import full_state_dict
 from titan_draft.models.policy import cast_parameters, job_model_args, policy_from_args
 from titan_draft.ops.linear_logprobs import logits_token_outputs
 from titan_draft.parallel.context_parallel import apply_context_parallel
-from titan_draft.parallel.parallelize import (apply_activation_checkpointing, cp_mesh, loss_scale,
+from titan_draft.parallel.parallelize import (apply_activation_checkpointing, batch_group, cp_mesh, loss_scale,
                                               parallelize_policy, sum_over_dp)
 from titan_draft.parallel.pipeline import (
     PipelineSetup,
@@ -129,7 +129,7 @@ class PipelinedPolicy:
     def __init__(self, job):
         """job: titan_draft.job.Job, its policy warm-started whole on every rank (split here, once)."""
         cfg, dims = job.cfg, job.dims
-        self.cfg, self.draft, self.spec, self.dims = cfg, job.draft, job.spec, dims
+        self.cfg, self.plan, self.draft, self.spec, self.dims = cfg, job.plan, job.draft, job.spec, dims
         self.pp_mesh = dims.get_mesh("pp")
         self.schedule = cfg.parallelism.pipeline_parallel_schedule
         weights = full_state_dict(job.policy, every_rank=True)
@@ -169,18 +169,17 @@ class PipelinedPolicy:
         if self.width != width:
             cfg, d = self.cfg, self.cfg.draft
             microbatch = cfg.parallelism.pipeline_parallel_microbatch_size
-            batch = self.dims.get_optional_mesh("batch")
             setup = PipelineSetup(pp_mesh=self.pp_mesh, pipelines=pipeline_replicas(self.dims), schedule=self.schedule,
                                   n_microbatches=rows // microbatch, microbatch_size=microbatch, seq_len=width,
-                                  dp_group=None if batch is None else batch.get_group(), cp_mesh=cp_mesh(self.dims),
+                                  dp_group=batch_group(self.dims), cp_mesh=cp_mesh(self.dims),
                                   cp_mode=d.cp_mode, dtype=activation_dtype(cfg, self.dims))
             policy_loss = GRPOLoss(cfg.rl.clip_eps, cfg.rl.kl_coef, has_reference=bool(self.reference_parts))
-            if d.mode == "none":
+            if self.plan.speculate:
+                self.train = build_pipeline_cotrain(self.parts, self.draft, self.spec, setup, policy_loss=policy_loss,
+                                                    grad_scale=loss_scale(self.dims), train_draft=self.plan.train_draft)
+            else:
                 self.train = build_policy_pipeline(self.parts, setup, policy_loss=policy_loss,
                                                    grad_scale=loss_scale(self.dims))
-            else:
-                self.train = build_pipeline_cotrain(self.parts, self.draft, self.spec, setup, policy_loss=policy_loss,
-                                                    grad_scale=loss_scale(self.dims), train_draft=d.mode == "cotrain")
             if self.reference_parts:
                 self.reference = build_policy_pipeline(self.reference_parts, setup, loss=NextTokenLogprobs())
             self.width = width
@@ -211,7 +210,7 @@ class PipelinedPolicy:
         train.run(tokens, target)
 
         # The last stage holds the sums: over dp x cp there, then to every pp rank (zeros elsewhere).
-        passes = self.spec.ttt_steps if self.cfg.draft.mode != "none" else 0
+        passes = self.spec.ttt_steps if self.plan.speculate else 0
         zero = torch.zeros((), dtype=torch.float64, device=device)
         sums = StepSums(zero.new_zeros(5), zero.new_zeros(passes, 3), zero, bool(self.reference_parts))
         if self.holds_draft:

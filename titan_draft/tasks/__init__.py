@@ -10,7 +10,7 @@ from titan_draft.tasks.base import Prompts, Task, Tokenizer
 
 __all__ = ["Prompts", "Task", "Tokenizer", "TASKS", "build_task", "check_task"]
 
-# name -> module with build(cfg, vocab_size) -> Task and check(cfg, vocab_size) (ConfigError one-liners)
+# name -> module with build(cfg, vocab_size) -> Task and check(cfg, vocab_size, plan) (ConfigError one-liners)
 TASKS = {"sort": sort, "jsonl": jsonl, "arith": arith}
 
 
@@ -25,7 +25,7 @@ def build_task(cfg, vocab_size: int) -> Task:
     return _module(cfg).build(cfg, vocab_size)
 
 
-def check_task(cfg, vocab_size: int) -> None:
-    """Raise ConfigError (one line naming the key or file and the fix) for a task that cannot run;
-    call it before any process group exists."""
-    _module(cfg).check(cfg, vocab_size)
+def check_task(cfg, vocab_size: int, plan) -> None:
+    """Raise ConfigError (one line naming the key or file and the fix) for a task that cannot run the job
+    of `plan` (titan_draft.plan.RunPlan); call it before any process group exists."""
+    _module(cfg).check(cfg, vocab_size, plan)

@@ -166,7 +166,7 @@ def build(cfg, vocab_size: int) -> ArithTask:
                      swap_prob=t.sft_swap_prob)
 
 
-def check(cfg, vocab_size: int) -> None:
+def check(cfg, vocab_size: int, plan) -> None:
     t = cfg.task
     if not 0 < t.answer_len_min < t.answer_len_median < t.answer_len_max:
         raise ConfigError(f"task.answer_len_min / _median / _max: {t.answer_len_min} / {t.answer_len_median} / "

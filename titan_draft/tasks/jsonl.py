@@ -162,13 +162,13 @@ def build(cfg, vocab_size: int) -> JsonlTask:
     return JsonlTask(examples, tokenizer, chat_template=t.chat_template, seq_len=cfg.training.seq_len)
 
 
-def check(cfg, vocab_size: int) -> None:
+def check(cfg, vocab_size: int, plan) -> None:
     task = build(cfg, vocab_size)
     path, seq_len = cfg.training.dataset_path, cfg.training.seq_len
     # rollout.max_new_tokens = 0 lets responses fill the context: then each prompt must leave one token.
     check_prompts_fit(cfg, torch.tensor([len(p) for p in task.prompt_ids]),
                       response_budget(cfg, 1), f"training.dataset_path {path}")
-    if cfg.rl.sft_steps > 0 or (cfg.draft.mode != "none" and cfg.draft.warmup_steps > 0):
+    if cfg.rl.sft_steps > 0 or (plan.speculate and cfg.draft.warmup_steps > 0):  # a warm start trains on them
         documents = torch.tensor([len(p) + len(a) for p, a in zip(task.prompt_ids, task.answer_ids)])
         if (documents > seq_len).any():
             raise ConfigError(f"training.dataset_path {path}: {int((documents > seq_len).sum())} of "

@@ -90,8 +90,8 @@ def build(cfg, vocab_size: int) -> SortTask:
     return SortTask(t.num_items, t.alphabet_size, vocab_size, swap_prob=t.sft_swap_prob)
 
 
-def check(cfg, vocab_size: int) -> None:
-    t, seq, cp = cfg.task, cfg.training.seq_len, cfg.parallelism.context_parallel_degree
+def check(cfg, vocab_size: int, plan) -> None:
+    t, seq, cp = cfg.task, cfg.training.seq_len, plan.cp
     if t.num_items < 1:
         raise ConfigError(f"task.num_items: {t.num_items} must be >= 1")
     if not 1 <= t.alphabet_size <= vocab_size - FIRST_LETTER:
