@@ -49,9 +49,9 @@ PRESETS = {
 }
 # Kernel kinds of the profile, the first matching pattern (of the kernel's name) wins.
 KERNEL_KINDS = [
-    ("attention", r"fmha|flash|attention|cudnn|sdpa|mem_eff"),
+    ("compiled (Triton)", r"^triton_"),  # inductor's fused kernels (their names list the ops they fuse)
+    ("attention", r"_chunk_attention|_merge_chunks|fmha|flash|attention|cudnn|sdpa|mem_eff"),
     ("GEMM", r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitk"),
-    ("compiled (Triton)", r"^triton"),
     ("norm", r"rms|norm"),
     ("sampling", r"softmax|exponential|argmax|argmin|distribution|philox|uniform|cumsum|sort|max"),
     ("index / copy", r"index|scatter|gather|copy|cat|fill|memcpy|memset|where|arange"),
