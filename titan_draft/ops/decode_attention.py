@@ -9,7 +9,8 @@ a 5-query verify window cost 2.3x a 1-query step in attention alone). Here one p
 row, one kv head and one chunk of cache slots, with all the S x G queries that read that kv head
 (G = query heads per kv head) as the rows of one tile: each key and value is read once, only up
 to the row's last query position, and GQA needs no copy. Programs split the slots so that small
-batches still fill the GPU; a second kernel merges the chunks by their log-sum-exp.
+batches still fill the GPU; a second kernel merges the chunks by their log-sum-exp (with one
+chunk per row, from ~33 rows at 8 kv heads, the first kernel writes the output itself).
 
 Inference only (the engine runs under no_grad): no backward. `decode_attention_reference` is the
 dense reference (SDPA under the same mask); tests/test_decode_attention.py compares the kernels
@@ -39,14 +40,15 @@ def decode_attention_reference(q, k_cache, v_cache, positions, scale: float | No
 
 
 @triton.jit
-def _chunk_attention(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, lse_ptr, scale, S, chunk, splits,
+def _chunk_attention(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, lse_ptr, o_ptr, scale, S, chunk, splits,
                      stride_qb, stride_qs, stride_qh, stride_kb, stride_kl, stride_kh,
-                     stride_vb, stride_vl, stride_vh,
+                     stride_vb, stride_vl, stride_vh, stride_ob, stride_os, stride_oh,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_KEYS: tl.constexpr, IEEE: tl.constexpr):
+                     BLOCK_D: tl.constexpr, BLOCK_KEYS: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr):
     """One (row b, kv head, chunk of slots): attention of the S x GROUP queries of that kv head
     (tile row m = s * GROUP + g) over the chunk's visible slots. Writes the chunk's normalised
-    output [BLOCK_M, D] and log-sum-exp [BLOCK_M] (-inf where a query sees none of its slots)."""
+    output [BLOCK_M, D] and log-sum-exp [BLOCK_M] (-inf where a query sees none of its slots);
+    DIRECT (one chunk per row): the output itself, into o."""
     b, kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = tl.arange(0, BLOCK_M)
     s, g = m // GROUP, m % GROUP
@@ -85,10 +87,14 @@ def _chunk_attention(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, lse_ptr, scale, S, c
         running_max = new_max
     seen = denominator > 0
     out = acc / tl.where(seen, denominator, 1.0)[:, None]
-    lse = tl.where(seen, running_max + tl.log(tl.where(seen, denominator, 1.0)), float("-inf"))
-    part = (b * tl.num_programs(1) + kv) * splits + split
-    tl.store(out_ptr + part * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :], out)
-    tl.store(lse_ptr + part * BLOCK_M + m, lse)
+    if DIRECT:
+        tl.store(o_ptr + b * stride_ob + s[:, None] * stride_os + (kv * GROUP + g)[:, None] * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=live[:, None] & d_live[None, :])
+    else:
+        lse = tl.where(seen, running_max + tl.log(tl.where(seen, denominator, 1.0)), float("-inf"))
+        part = (b * tl.num_programs(1) + kv) * splits + split
+        tl.store(out_ptr + part * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :], out)
+        tl.store(lse_ptr + part * BLOCK_M + m, lse)
 
 
 @triton.jit
@@ -133,18 +139,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     wanted = max(1, TARGET_PROGRAMS // (B * Hkv))
     chunk = BLOCK_N * triton.cdiv(triton.cdiv(width, wanted), BLOCK_N)
     splits = triton.cdiv(width, chunk)
-    parts = torch.empty(B, Hkv, splits, block_m, block_d, device=q.device,
+    out = torch.empty_like(q)
+    direct = splits == 1  # one chunk per row: its output is the answer, no merge
+    # (direct: one-element stand-ins, never written: a kernel's pointer arguments must be real)
+    parts = torch.empty(1 if direct else B * Hkv * splits * block_m * block_d, device=q.device,
                         dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    lse = torch.empty(B, Hkv, splits, block_m, device=q.device, dtype=parts.dtype)
+    lse = torch.empty(1 if direct else B * Hkv * splits * block_m, device=q.device, dtype=parts.dtype)
     positions = positions.contiguous()
     _chunk_attention[(B, Hkv, splits)](
-        q, k_cache, v_cache, positions, parts, lse, scale if scale is not None else D ** -0.5, S, chunk, splits,
+        q, k_cache, v_cache, positions, parts, lse, out, scale if scale is not None else D ** -0.5, S, chunk, splits,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_KEYS=BLOCK_N, IEEE=q.dtype == torch.float32)
-    out = torch.empty_like(q)
-    _merge_chunks[(B, Hkv)](parts, lse, out, S, splits, out.stride(0), out.stride(1), out.stride(2),
-                            GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=block_d)
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_KEYS=BLOCK_N, IEEE=q.dtype == torch.float32,
+        DIRECT=direct)
+    if not direct:
+        _merge_chunks[(B, Hkv)](parts, lse, out, S, splits, out.stride(0), out.stride(1), out.stride(2),
+                                GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=block_d)
     return out
 
 
