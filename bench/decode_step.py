@@ -204,7 +204,7 @@ def step_costs(engine: RolloutEngine, batch: int, context: int, temperature: flo
     """plain_step_ms, verify_step_ms {K: ms}, verify_over_plain, decode_step_ms {K: ms} (K = 0..max_k),
     plain_step_bytes and roofline_ms (None without a bandwidth) of `engine` at `batch` rows of
     `context` cached tokens. Scribbles on the engine's state: run it between generations."""
-    engine._reserve(batch, context + engine.max_k + 1)
+    engine.reserve(batch, context + engine.max_k + 1)
     target = partial(target_step, engine, batch, context=context, temperature=temperature)
     plain = replay_seconds(target(0), engine, repeats)
     verify = {k: replay_seconds(target(k), engine, repeats) for k in range(1, engine.max_k + 1)}

@@ -78,7 +78,7 @@ from titan_draft.timing import DeviceTimer, timed
 
 # Counters at the head of the engine's status vector: StepStatus's scalar fields.
 STATUS_COUNTS = 5
-# The state buffers' cache slots are a multiple of this (RolloutEngine._reserve): calls of similar
+# The state buffers' cache slots are a multiple of this (RolloutEngine.reserve): calls of similar
 # budgets share buffers and captured steps.
 SLOT_ROUNDING = 128
 # Timed replays per decode-step shape when adaptive K measures a new batch size (median kept).
@@ -239,7 +239,7 @@ class RolloutEngine:
         return self.graphs.enabled
 
     # --- state buffers -------------------------------------------------------------------------------
-    def _reserve(self, rows: int, slots: int) -> None:
+    def reserve(self, rows: int, slots: int) -> None:
         """State buffers that hold `rows` rows of `slots` cache slots: the current ones when they do.
         Else new ones, zeroed (masked slots must hold finite numbers: 0 x inf is nan), of the larger
         of each, the slots rounded up to SLOT_ROUNDING (within max_slots), so that calls of similar
@@ -315,24 +315,24 @@ class RolloutEngine:
     # --- the cached forwards, on buffers that hold their rows ----------------------------------------
     def policy_forward(self, tokens: torch.Tensor, positions: torch.Tensor, width: int | None = None):
         """CachedModels.policy_forward, the state buffers made to hold B rows and width slots first
-        (_reserve: new ones start from zero). width: the cache slots attention reads (default
+        (reserve: new ones start from zero). width: the cache slots attention reads (default
         max_slots)."""
         width = width or self.max_slots
-        self._reserve(tokens.shape[0], width)
+        self.reserve(tokens.shape[0], width)
         return self.model.policy_forward(tokens, positions, width)
 
     def draft_extend(self, next_emb: torch.Tensor, taps: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
                      width: int | None = None):
         """CachedModels.draft_extend, the state buffers made to hold B rows and width slots first."""
         width = width or self.max_slots
-        self._reserve(next_emb.shape[0], width)
+        self.reserve(next_emb.shape[0], width)
         return self.model.draft_extend(next_emb, taps, start, count, width)
 
     def draft_pass(self, k: int, emb: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
                    width: int | None = None):
         """CachedModels.draft_pass, the state buffers made to hold B rows and width slots first."""
         width = width or self.max_slots
-        self._reserve(emb.shape[0], width)
+        self.reserve(emb.shape[0], width)
         return self.model.draft_pass(k, emb, hidden, anchor, width)
 
     # --- generation ----------------------------------------------------------------------------------
@@ -547,7 +547,7 @@ class RolloutEngine:
         wall = time.perf_counter()
         B, P = padded.shape
         total = P + max_new_tokens
-        self._reserve(B, total + self.max_k + 1)
+        self.reserve(B, total + self.max_k + 1)
         seed_device = generator.device if generator is not None else "cpu"
         if adaptive and (B, K, temperature, top_p) not in self._measured:
             timing["measure_s"], _ = timed(lambda: self.measure_steps(B, K, temperature, top_p, P), self.device)
