@@ -1,7 +1,7 @@
 """Helpers shared by the bench/ drivers: length mixes, the one timing loop, peak memory, JSON, model sizes.
 
 Every driver runs as `python -m bench.<name>` from the repository root, on CPU (gloo) and, unchanged,
-under torchrun on GPUs (NCCL, one GPU per rank from LOCAL_RANK, via titan_draft._compat.device()).
+under torchrun on GPUs (NCCL, one GPU per rank from LOCAL_RANK, via titan_draft.infra._compat.device()).
 """
 import datetime
 import json
@@ -11,9 +11,9 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from titan_draft import _compat
-from titan_draft.io import atomic_file
-from titan_draft.timing import synchronize, timed  # noqa: F401  (the drivers take them from here)
+from titan_draft.infra import _compat
+from titan_draft.infra.io import atomic_file
+from titan_draft.infra.timing import synchronize, timed  # noqa: F401  (the drivers take them from here)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXES = ("lognormal", "pareto", "one_long")

@@ -7,12 +7,11 @@ import torch
 
 from bench._common import REPO_ROOT, timed
 from titan_draft.config import parse_config, validate
-from titan_draft.cotrain import DraftOptimizer
-from titan_draft.io import atomic_directory
+from titan_draft.infra.io import atomic_directory
+from titan_draft.infra.metrics import MetricsLogger
 from titan_draft.job import Job, build_job, warm_start
-from titan_draft.metrics import MetricsLogger
-from titan_draft.parallel.parallelize import build_parallel_dims
-from titan_draft.plan import build_plan
+from titan_draft.models.cotrain import DraftOptimizer
+from titan_draft.plan import build_parallel_dims, build_plan
 
 
 def add_job_arguments(parser, presets: dict, default: str) -> None:

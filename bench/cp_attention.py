@@ -24,11 +24,11 @@ import sys
 import torch
 
 from bench._common import MIXES, REPO_ROOT, document_lengths, environment, median_time, write_json
+from titan_draft.data.packing import cu_seqlens_from_lengths
+from titan_draft.infra.ranks import is_rank0
 from titan_draft.ops import branch_attention
-from titan_draft.packing import cu_seqlens_from_lengths
 from titan_draft.parallel import CpGroup, ZigzagLayout, cp_branch_attention
 from titan_draft.parallel.cp_attention import MODES
-from titan_draft.ranks import is_rank0
 
 
 def parse_args():

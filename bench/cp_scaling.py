@@ -46,20 +46,19 @@ from bench._common import (
     write_json,
 )
 from bench.cp_attention import local_inputs, time_step
-from titan_draft import _compat
 from titan_draft.config import parse_config
-from titan_draft.cotrain import CoTrainSpec, DraftFeatures, draft_loss, valid_pairs
-from titan_draft.models.draft import Teacher
+from titan_draft.data.packing import cu_seqlens_from_lengths, pack
+from titan_draft.infra import _compat
+from titan_draft.infra.ranks import is_rank0
 from titan_draft.models import build_draft
+from titan_draft.models.cotrain import CoTrainSpec, DraftFeatures, draft_loss, valid_pairs
+from titan_draft.models.draft import Teacher
 from titan_draft.models.policy import TapRecorder, forward_packed, policy_from_args
 from titan_draft.ops import branch_attention
-from titan_draft.packing import cu_seqlens_from_lengths, pack
 from titan_draft.parallel import CpGroup, cp_branch_attention
 from titan_draft.parallel.context_parallel import apply_context_parallel, shard_batch_for_cp
 from titan_draft.parallel.cp_attention import MODES
-from titan_draft.plan import build_plan
 from titan_draft.parallel.parallelize import (
-    build_parallel_dims,
     cp_mesh,
     loss_scale,
     parallelize_draft,
@@ -67,7 +66,7 @@ from titan_draft.parallel.parallelize import (
     sum_over_dp,
     training_autocast,
 )
-from titan_draft.ranks import is_rank0
+from titan_draft.plan import build_parallel_dims, build_plan
 
 PARTS = ("attention", "cotrain")
 # Keys that must agree between a run and its --reference for the efficiency to mean anything.

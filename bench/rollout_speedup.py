@@ -33,9 +33,9 @@ import torch
 from bench._common import REPO_ROOT, alternate, device_tag, environment, write_json
 from bench._job import add_job_arguments, job_config, resolve_preset, warm_started_job
 from bench.decode_step import read_bandwidth, step_costs
+from titan_draft.data.tasks.base import response_budget
 from titan_draft.parallel.parallelize import compute_dtype
 from titan_draft.rollout import EngineOptions, RolloutEngine
-from titan_draft.tasks.base import response_budget
 
 ALL_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 PRESETS = {

@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 
 from bench._common import alternate, cast_parameters, environment, sized_model_args, write_json
-from titan_draft import _compat
-from titan_draft.cotrain import CoTrainSpec
+from titan_draft.infra import _compat
+from titan_draft.infra.ranks import is_rank0
+from titan_draft.models.cotrain import CoTrainSpec
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import policy_from_args
 from titan_draft.parallel.pipeline import IGNORE, PipelineSetup, build_pipeline_cotrain, split_policy
-from titan_draft.ranks import is_rank0
 
 
 def arg_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from bench._common import write_json
 from bench.tapchannel_overhead import arg_parser, build, build_models, launch, random_batch
-from titan_draft.ranks import is_rank0
+from titan_draft.infra.ranks import is_rank0
 
 
 def timed(events, kind, stage, method):

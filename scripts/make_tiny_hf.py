@@ -22,7 +22,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from titan_draft.io import atomic_directory, atomic_file
+from titan_draft.infra.io import atomic_directory, atomic_file
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0, 1, 2, 3
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2

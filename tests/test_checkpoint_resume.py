@@ -11,7 +11,7 @@ import sys
 import time
 
 from titan_draft.checkpoint import check_checkpoint, complete_steps as checkpoint_steps
-from titan_draft.metrics import TIMING_KEYS
+from titan_draft.infra.metrics import TIMING_KEYS
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 KILL_DURING_SAVE = os.path.join(os.path.dirname(__file__), "kill_during_save.py")

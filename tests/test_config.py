@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_draft.cli.validate import check
 from titan_draft.config import ConfigError, parse_config, validate
 from titan_draft.models import build_models, tap_layers
-from titan_draft.validate import check
 
 ROOT = Path(__file__).resolve().parents[1]
 TOML = ROOT / "train_configs" / "sort_tiny_cpu.toml"
@@ -168,7 +168,7 @@ def test_unknown_toml_key_through_the_cli(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text(TOML.read_text().replace("ttt_steps = 3", "ttt_steps = 3\nbogus_key = 1"))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "titan_draft.validate", "--job.config_file", str(bad)],
+    proc = subprocess.run([sys.executable, "-m", "titan_draft.cli.validate", "--job.config_file", str(bad)],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert proc.returncode == 2, proc.stderr

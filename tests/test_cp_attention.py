@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from titan_draft.data.packing import cu_seqlens_from_lengths
 from titan_draft.ops import branch_attention
-from titan_draft.packing import cu_seqlens_from_lengths
 from titan_draft.parallel import CpGroup, HaloShift, ZigzagLayout, cp_branch_attention, zigzag_shard, zigzag_unshard
 from titan_draft.parallel.cp_attention import MODES, allgather_blocks, ring_blocks
 
@@ -142,7 +142,7 @@ def test_cp_branch_attention_in_bfloat16(results, mode):
 def test_halo_shift_matches_document_shift(results):
     # The reference runs here, on the unpadded rows: shifted values, gradients and bool masks of
     # HaloShift, unsharded, must equal DocumentShift's (zeros past every real document end).
-    from titan_draft.packing import DocumentShift
+    from titan_draft.data.packing import DocumentShift
 
     lengths, cu, real_rows, x, grads = _halo_case(len(results), HALO_SEED)
     reference_shift = DocumentShift(cu_seqlens_from_lengths(lengths))
@@ -220,8 +220,8 @@ def test_bad_arguments_raise_one_clear_error(kwargs, message):
 
 
 def test_context_parallel_rejects_unknown_mode():
+    from titan_draft.data.packing import pack
     from titan_draft.models.policy import build_policy
-    from titan_draft.packing import pack
     from titan_draft.parallel import apply_context_parallel, shard_batch_for_cp
 
     batch = pack([torch.arange(5)], [torch.ones(5)])

@@ -16,11 +16,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from titan_draft.cotrain import CoTrainSpec, DraftFeatures, draft_loss, valid_pairs
+from titan_draft.data.packing import pack
+from titan_draft.models.cotrain import CoTrainSpec, DraftFeatures, draft_loss, valid_pairs
 from titan_draft.models.draft import Teacher
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
-from titan_draft.packing import pack
 from titan_draft.parallel import apply_context_parallel, global_count, pad_documents, shard_batch_for_cp, zigzag_shard
 from titan_draft.parallel.cp_attention import MODES
 

@@ -11,10 +11,11 @@ import math
 import pytest
 import torch
 
-from titan_draft.cotrain import CoTrainSpec, DraftFeatures, draft_loss, draft_metrics, sample_documents, valid_pairs
+from titan_draft.data.packing import DocumentShift, pack
+from titan_draft.models.cotrain import (CoTrainSpec, DraftFeatures, draft_loss, draft_metrics, sample_documents,
+                                        valid_pairs)
 from titan_draft.models.draft import DraftArgs, EagleDraft, Teacher, build_draft_vocab, ttt_loss
 from titan_draft.ops import branch_attention
-from titan_draft.packing import DocumentShift, pack
 
 F64 = torch.float64
 DIM, N_HEADS, N_KV_HEADS, N_TAPS = 32, 4, 2, 3

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_parallel_compose import TINY, cotrain_step, fixed_rollouts, share_of  # noqa: E402
 
 from titan_draft.config import parse_config  # noqa: E402
-from titan_draft.cotrain import DraftOptimizer  # noqa: E402
+from titan_draft.models.cotrain import DraftOptimizer  # noqa: E402
 from titan_draft.models.draft import EagleDraft, draft_args_for  # noqa: E402
 from titan_draft.models.policy import model_args  # noqa: E402
 from titan_draft.train import PolicyDiverged, main, train_step  # noqa: E402

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from titan_draft.grpo import group_advantages, grpo_loss, next_token_logprobs
-from titan_draft.step import RolloutBatch
 from titan_draft.models.policy import build_policy, forward_packed
+from titan_draft.rl.grpo import group_advantages, grpo_loss, next_token_logprobs
+from titan_draft.rl.step import RolloutBatch
 
 V, P, GROUP, N_PROMPTS, MAX_R = 12, 3, 4, 2, 5
 CLIP, KL, EPS = 0.2, 0.1, 1e-6

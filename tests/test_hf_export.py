@@ -2,7 +2,7 @@
 tokenizer comes along; the exported EAGLE-3 draft, read by a loader written here from the engines' layout
 (SGLang / vLLM llama_eagle3: names, shapes, half-split RoPE), gives the draft's logits; each engine's
 tap-layer id rule (re-implemented here from its code) feeds the draft exactly the trained taps; the
-draft loads back through titan_draft.eagle3.load_draft (--draft.init_path) bit for bit, and refuses a
+draft loads back through titan_draft.formats.eagle3.load_draft (--draft.init_path) bit for bit, and refuses a
 draft it cannot take or a checkpoint saved before the draft warm-up, in one line per problem."""
 import contextlib
 import json
@@ -17,14 +17,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from titan_draft.checkpoint import IN_RL, SFT_DONE, WARMUP_DONE, TrainState
+from titan_draft.cli.export_draft import main as export_draft_main
 from titan_draft.config import ConfigError, parse_config
-from titan_draft.eagle3 import IDS_KEY, engine_default_taps, export_draft, load_draft, tap_layer_ids
-from titan_draft.export_draft import main as export_draft_main
-from titan_draft.hf import load_policy, save_policy
+from titan_draft.data.packing import pack
+from titan_draft.formats.eagle3 import IDS_KEY, engine_default_taps, export_draft, load_draft, tap_layer_ids
+from titan_draft.formats.hf import load_policy, save_policy
 from titan_draft.models import build_draft, default_tap_layers
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
-from titan_draft.packing import pack
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIG = os.path.join(ROOT, "train_configs", "sort_tiny_cpu.toml")
@@ -302,7 +302,7 @@ def test_load_draft_names_every_mismatch_in_one_line(tmp_path):
                                 f"draft folder (config.json + *.safetensors)")
 
 
-# --- python -m titan_draft.export_draft ---------------------------------------------------------------
+# --- python -m titan_draft.cli.export_draft ---------------------------------------------------------------
 def save_job_checkpoint(folder, draft, embed, phase: int) -> None:
     """The parts of a job checkpoint the exporter reads (titan_draft/checkpoint.py names)."""
     train_state = TrainState()
@@ -332,7 +332,7 @@ def test_export_draft_command_refuses_a_checkpoint_before_the_draft_warmup(tmp_p
     args, draft = trained_like_draft(cfg)
     step = tmp_path / "checkpoint" / "step-1"
     save_job_checkpoint(step, draft, torch.randn(args.vocab_size, args.dim), SFT_DONE)
-    command = [sys.executable, "-m", "titan_draft.export_draft", "--checkpoint", str(step), "--output",
+    command = [sys.executable, "-m", "titan_draft.cli.export_draft", "--checkpoint", str(step), "--output",
                str(tmp_path / "out"), "--engine", "vllm", *JOB]
     refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1 and refused.stderr == (

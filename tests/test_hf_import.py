@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from scripts.make_tiny_hf import EOS_ID, arithmetic_problems, problem_texts, write_tiny_checkpoint
 from titan_draft.config import ConfigError, parse_config
-from titan_draft.hf import check_hf_assets, load_policy, save_policy, state_dict_adapter, tokenizer_vocab_size
+from titan_draft.data.packing import pack
+from titan_draft.formats.hf import check_hf_assets, load_policy, save_policy, state_dict_adapter, tokenizer_vocab_size
 from titan_draft.models.families import family_of_args
 from titan_draft.models.policy import build_policy, forward_packed, model_args, policy_from_args
-from titan_draft.packing import pack
 from titan_draft.rollout import RolloutEngine
 
 SEQ_LEN = 96

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-from titan_draft import validate as validate_cli
+from titan_draft.cli import validate as validate_cli
 from titan_draft.config import ConfigError
 from titan_draft.train import main as train_main
 
@@ -74,7 +74,7 @@ CASES = [  # (world size, overrides, exact message)
      "checkpoint.async_mode: 'async' is not supported; use 'disabled'"),
     (1, ["--checkpoint.last_save_in_hf"],
      "checkpoint.last_save_in_hf: not supported (a full checkpoint keeps the draft); export with "
-     "titan_draft.hf.save_policy and `python -m titan_draft.export_draft`"),
+     "titan_draft.formats.hf.save_policy and `python -m titan_draft.cli.export_draft`"),
     (1, ["--checkpoint.initial_load_path", "/somewhere"],
      "checkpoint.initial_load_path: '/somewhere' is read as Hugging Face safetensors only; set "
      "checkpoint.initial_load_in_hf = true"),
@@ -134,7 +134,7 @@ def test_validate_command_prints_one_line_and_exits_2(capsys):
 
 
 def one_line_error(capsys, argv) -> str:
-    """What `python -m titan_draft.validate argv` prints, checked to be one line and exit code 2."""
+    """What `python -m titan_draft.cli.validate argv` prints, checked to be one line and exit code 2."""
     code = validate_cli.main(argv)
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err

@@ -1,5 +1,5 @@
 """One job per dump folder (a lock naming its owner; a dead owner's lock is taken over with a warning), and
-torchrun workers that die with their launcher (titan_draft/job_guard.py)."""
+torchrun workers that die with their launcher (titan_draft/infra/job_guard.py)."""
 import json
 import os
 import signal
@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from titan_draft import job_guard
-from titan_draft import validate as validate_cli
+from titan_draft.cli import validate as validate_cli
 from titan_draft.config import ConfigError
-from titan_draft.job_guard import LOCK_NAME, check_dump_folder, lock_dump_folder
+from titan_draft.infra import job_guard
+from titan_draft.infra.job_guard import LOCK_NAME, check_dump_folder, lock_dump_folder
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIG = os.path.join(ROOT, "train_configs", "sort_tiny_cpu.toml")
@@ -50,7 +50,7 @@ def test_lock_of_a_dead_job_is_taken_over_and_released_at_exit(tmp_path):
     gone.wait()
     write_lock(tmp_path, gone.pid)
     # A job takes the folder: the stale lock with a warning; while it runs, the lock names it; at exit it is gone.
-    job = subprocess.Popen([sys.executable, "-c", "import sys, time; from titan_draft.job_guard import "
+    job = subprocess.Popen([sys.executable, "-c", "import sys, time; from titan_draft.infra.job_guard import "
                             "lock_dump_folder; lock_dump_folder(sys.argv[1]); print('locked', flush=True); "
                             "time.sleep(float(sys.argv[2]))", str(tmp_path), "3"],
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -86,7 +86,7 @@ def test_lock_of_a_reused_pid_is_stale(tmp_path, capsys):
 
 WORKER = """
 import os, sys, time
-from titan_draft.job_guard import die_with_launcher
+from titan_draft.infra.job_guard import die_with_launcher
 die_with_launcher()
 with open(sys.argv[1] + ".tmp", "w") as f:
     f.write(str(os.getpid()))

@@ -1,9 +1,9 @@
 """metrics.jsonl keeps one row per step across resumes, the console line shows one acceptance-length
-figure, and progress reads well in a log file (titan_draft/metrics.py)."""
+figure, and progress reads well in a log file (titan_draft/infra/metrics.py)."""
 import io
 import re
 
-from titan_draft.metrics import MetricsLogger, progress, read_metrics
+from titan_draft.infra.metrics import MetricsLogger, progress, read_metrics
 
 
 def log_all(folder, rows) -> None:

@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from titan_draft.config import parse_config, validate
-from titan_draft.cotrain import DraftOptimizer
+from titan_draft.data.packing import microbatch_ranges
+from titan_draft.infra.metrics import TIMING_KEYS, MetricsLogger
 from titan_draft.job import build_job
-from titan_draft.metrics import TIMING_KEYS, MetricsLogger
+from titan_draft.models.cotrain import DraftOptimizer
 from titan_draft.models.policy import job_model_args, policy_from_args
-from titan_draft.packing import microbatch_ranges
-from titan_draft.parallel.parallelize import build_parallel_dims
-from titan_draft.plan import build_plan
+from titan_draft.plan import build_parallel_dims, build_plan
+from titan_draft.rl.warmstart import WarmStartRun, draft_vocab_from_data, next_token_loss_backward, sft_batch
 from titan_draft.train import RLState, train_step
-from titan_draft.warmstart import WarmStartRun, draft_vocab_from_data, next_token_loss_backward, sft_batch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_parallel_compose import fixed_rollouts  # noqa: E402  (the same fixed rollouts as the layouts' test)
@@ -95,7 +94,7 @@ def test_policy_loss_is_normalised_by_the_step_response_tokens():
     """On-policy the ratio is 1 and the KL to an equal reference 0: the GRPO loss is exactly
     -(sum of every response token's advantage) / (response tokens of the step), the same in micro-batches.
     A loss divided by the number of rollouts (or per micro-batch) differs."""
-    from titan_draft.grpo import group_advantages
+    from titan_draft.rl.grpo import group_advantages
 
     for overrides in ([], LEVERS):
         metrics, _, r, state = step(*overrides, mode="none")

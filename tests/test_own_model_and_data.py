@@ -10,12 +10,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from scripts.make_tiny_hf import write_demo_inputs
+from titan_draft.cli.export_draft import main as export_main
 from titan_draft.config import parse_config
-from titan_draft.export_draft import main as export_main
+from titan_draft.infra.metrics import MetricsLogger, read_metrics
 from titan_draft.job import build_job
-from titan_draft.metrics import MetricsLogger, read_metrics
-from titan_draft.parallel.parallelize import build_parallel_dims
-from titan_draft.plan import build_plan
+from titan_draft.plan import build_parallel_dims, build_plan
 from titan_draft.train import main
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")

@@ -55,13 +55,13 @@ def cotrain_step(argv, dims_from_world: bool, poison: str = "", return_state: bo
     finite), "policy" one into the policy's output layer (its loss and gradients are not)."""
     from torch.distributed.tensor import DTensor
 
-    from titan_draft.cotrain import DraftOptimizer
+    from titan_draft.infra.metrics import MetricsLogger
     from titan_draft.job import build_job
-    from titan_draft.metrics import MetricsLogger
-    from titan_draft.parallel.parallelize import build_parallel_dims, dp_rank_and_degree
-    from titan_draft.plan import build_plan
+    from titan_draft.models.cotrain import DraftOptimizer
+    from titan_draft.parallel.parallelize import dp_rank_and_degree
+    from titan_draft.plan import build_parallel_dims, build_plan
+    from titan_draft.rl.warmstart import draft_vocab_from_data
     from titan_draft.train import RLState, train_step
-    from titan_draft.warmstart import draft_vocab_from_data
 
     cfg = parse_config(argv)
     plan = build_plan(cfg, torch.distributed.get_world_size() if dims_from_world else 1)
@@ -143,8 +143,8 @@ def _timeout_worker(rank, world_size, argv):
 
     import torch.distributed as dist
 
-    from titan_draft.parallel.parallelize import build_parallel_dims, describe_rank, loss_group, set_collective_timeout
-    from titan_draft.plan import build_plan
+    from titan_draft.parallel.parallelize import describe_rank, loss_group, set_collective_timeout
+    from titan_draft.plan import build_parallel_dims, build_plan
 
     cfg = parse_config(argv)
     dims = build_parallel_dims(build_plan(cfg, world_size))
@@ -180,7 +180,7 @@ def _pipeline_worker(rank, world_size, argv):
     the names that differ from this rank's own updated parts and draft (none, if the gather is exact)."""
     from torch.distributed.tensor import DTensor
 
-    from titan_draft.io import full_state_dict
+    from titan_draft.infra.io import full_state_dict
 
     metrics, grads, state = cotrain_step(argv, dims_from_world=True, return_state=True)
     state.engine.load_weights(*state.policy.rollout_weights(with_draft=True))

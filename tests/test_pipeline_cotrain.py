@@ -20,11 +20,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
 
+from titan_draft.data.packing import DocumentShift, pack  # noqa: E402
+from titan_draft.models.cotrain import CoTrainSpec  # noqa: E402
 from titan_draft.models.draft import EagleDraft, Teacher, draft_args_for, ttt_loss  # noqa: E402
 from titan_draft.models.policy import TapRecorder, forward_packed, install_packed_attention, model_args  # noqa: E402
 from titan_draft.ops import branch_attention  # noqa: E402
-from titan_draft.packing import DocumentShift, pack  # noqa: E402
-from titan_draft.cotrain import CoTrainSpec  # noqa: E402
 from titan_draft.parallel.pipeline import (IGNORE, PipelineSetup, build_pipeline_cotrain, build_policy_pipeline,  # noqa: E402
                                           split_policy)
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from titan_draft.data.packing import pack
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args, varlen_metadata
-from titan_draft.packing import pack
 
 LENGTHS = [5, 1, 8, 2, 7]
 TAPS = [0, 1, 3]

@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
+from titan_draft.cli.export_draft import parse_args as export_args
+from titan_draft.cli.validate import check
+from titan_draft.cli.validate import main as validate_main
 from titan_draft.config import parse_config
-from titan_draft.eagle3 import tap_layer_ids
-from titan_draft.export_draft import parse_args as export_args
+from titan_draft.formats.eagle3 import tap_layer_ids
 from titan_draft.models import policy_args, tap_layers
-from titan_draft.validate import check
-from titan_draft.validate import main as validate_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()
@@ -51,7 +51,7 @@ def split_env(words: list[str]) -> tuple[dict, list[str]]:
 
 
 def check_run_train(env: dict, args: list[str], dump_folders: list[str]) -> None:
-    """What run_train.sh checks before any process starts (titan_draft.validate)."""
+    """What run_train.sh checks before any process starts (titan_draft.cli.validate)."""
     assert set(env) <= {"NGPU", "LOG_RANK", "CONFIG_FILE"}, env
     cfg = check(["--job.config_file", env.get("CONFIG_FILE", DEFAULT_CONFIG), *args],
                 world_size=int(env.get("NGPU", "1")))
@@ -89,10 +89,10 @@ def test_every_readme_command(tmp_path, monkeypatch, capsys):
             assert os.access(program, os.X_OK) and not args
         elif [program, *args[:2]] == [PYTHON, "-m", "pytest"]:
             assert os.path.isdir(args[-1]), args
-        elif [program, *args[:2]] == [PYTHON, "-m", "titan_draft.validate"]:
+        elif [program, *args[:2]] == [PYTHON, "-m", "titan_draft.cli.validate"]:
             assert validate_main(args[2:]) == 2  # the README shows it refusing, with the line it prints
             assert "# " + capsys.readouterr().err.strip() in README
-        elif [program, *args[:2]] == [PYTHON, "-m", "titan_draft.export_draft"]:
+        elif [program, *args[:2]] == [PYTHON, "-m", "titan_draft.cli.export_draft"]:
             check_export(args[2:], dump_folders)
         elif [program, *args[:1]] == [PYTHON, "scripts/make_tiny_hf.py"]:
             run_python(args)  # seconds: the local checkpoint the hf_tiny_cpu.toml line below reads

@@ -15,13 +15,12 @@ import torch
 
 from scripts.execute_notebook import execute_notebook
 from titan_draft.config import parse_config
-from titan_draft.cotrain import DraftOptimizer
+from titan_draft.infra.metrics import TIMING_KEYS, MetricsLogger, read_metrics
 from titan_draft.job import build_job
-from titan_draft.metrics import TIMING_KEYS, MetricsLogger, read_metrics
-from titan_draft.parallel.parallelize import build_parallel_dims
-from titan_draft.plan import build_plan
+from titan_draft.models.cotrain import DraftOptimizer
+from titan_draft.plan import build_parallel_dims, build_plan
+from titan_draft.rl.warmstart import WarmStartRun, draft_vocab_from_data, sft_policy
 from titan_draft.train import RLState, collect_rollouts, main, train_step
-from titan_draft.warmstart import WarmStartRun, draft_vocab_from_data, sft_policy
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TINY = ["--job.config_file", os.path.join(ROOT, "train_configs", "sort_tiny_cpu.toml"), "--model.flavor", "tiny_gqa",

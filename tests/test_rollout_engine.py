@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_draft import _compat
+from titan_draft.data.packing import pack
+from titan_draft.infra import _compat
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
-from titan_draft.packing import pack
 from titan_draft.rollout import EngineOptions, GoodputController, RolloutEngine, probs_from_logits
 from titan_draft.rollout.cached_model import _attend_folded
 from titan_draft.rollout.engine import StepShape

@@ -4,7 +4,7 @@ import torch
 
 from bench import scaling_model as sm
 from bench.cp_attention import zigzag_work
-from titan_draft.packing import cu_seqlens_from_lengths
+from titan_draft.data.packing import cu_seqlens_from_lengths
 from titan_draft.parallel import ZigzagLayout
 
 LENGTHS = [7, 13, 1, 40, 5, 22]

@@ -4,10 +4,11 @@ import json
 
 import torch
 
-from titan_draft.packing import cu_seqlens_from_lengths, pack, pack_documents, positions_from_cu_seqlens, trained_rows
-from titan_draft.tasks import Prompts
-from titan_draft.tasks.hf_tokenizer import load_hf_tokenizer
-from titan_draft.tasks.sort import BOS, EOS, FIRST_LETTER, SEP, CharTokenizer, SortTask
+from titan_draft.data.packing import (cu_seqlens_from_lengths, pack, pack_documents, positions_from_cu_seqlens,
+                                      trained_rows)
+from titan_draft.data.tasks import Prompts
+from titan_draft.data.tasks.hf_tokenizer import load_hf_tokenizer
+from titan_draft.data.tasks.sort import BOS, EOS, FIRST_LETTER, SEP, CharTokenizer, SortTask
 
 
 def test_rewards_exact_match_only():

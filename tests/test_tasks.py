@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from titan_draft.config import ConfigError, Task as TaskSection, parse_config
+from titan_draft.data.tasks import TASKS, Prompts, build_task, check_task
+from titan_draft.data.tasks.arith import CHARS, ArithTask, pareto_exponent
+from titan_draft.data.tasks.jsonl import answers_match, final_answer, reference_answer
 from titan_draft.plan import build_plan
-from titan_draft.tasks import TASKS, Prompts, build_task, check_task
-from titan_draft.tasks.arith import CHARS, ArithTask, pareto_exponent
-from titan_draft.tasks.jsonl import answers_match, final_answer, reference_answer
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "what", "is", "plus", "the", "answer", "so", "####", "?", ".", "1", "2",
          "3", "4", "5", "7", "5.0", "$5", "\\boxed{4}", "\\boxed{6}"]

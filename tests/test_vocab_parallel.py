@@ -16,8 +16,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from distributed import run_distributed  # noqa: E402
 
+from titan_draft.data.packing import DocumentShift  # noqa: E402
 from titan_draft.models.draft import DraftArgs, EagleDraft, Teacher, soft_cross_entropy, ttt_loss  # noqa: E402
-from titan_draft.packing import DocumentShift  # noqa: E402
 from titan_draft.ops import branch_attention  # noqa: E402
 
 LENGTHS = [5, 1, 7, 3, 9]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from titan_draft.packing import cu_seqlens_from_lengths, pack
+from titan_draft.data.packing import cu_seqlens_from_lengths, pack
 from titan_draft.parallel import (
     ZigzagLayout,
     pad_documents,

@@ -1,2 +1,2 @@
 """Online EAGLE-3 draft co-training for speculative decoding in RL post-training, on torchtitan."""
-from titan_draft import _compat  # noqa: F401  (first: torchtitan's CPU workarounds, before any module imports it)
+from titan_draft.infra import _compat  # noqa: F401  (first: torchtitan's CPU workarounds, before any module imports it)

@@ -38,10 +38,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_draft.errors import ConfigError
-from titan_draft.io import atomic_file
+from titan_draft.infra.errors import ConfigError
+from titan_draft.infra.io import atomic_file
+from titan_draft.infra.ranks import is_rank0
 from titan_draft.plan import RunPlan
-from titan_draft.ranks import is_rank0
 from torchtitan.components.checkpoint import CheckpointManager, ModelWrapper
 
 # Phases in the order the job runs them; TrainState.phase is the last one finished.

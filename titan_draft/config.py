@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from titan_draft.errors import ConfigError  # noqa: F401  (re-exported: callers catch config.ConfigError)
+from titan_draft.infra.errors import ConfigError  # noqa: F401  (re-exported: callers catch config.ConfigError)
 
 
 @dataclass
@@ -20,7 +20,7 @@ class Task:
     name: Literal["sort", "jsonl", "arith"] = "sort"
     """sort: sort letters (synthetic, the laptop default); jsonl: prompts and reference answers from
     training.dataset_path, tokenised by model.hf_assets_path's tokenizer; arith: step-by-step repeated
-    addition whose answer lengths are heavy-tailed (titan_draft/tasks/)."""
+    addition whose answer lengths are heavy-tailed (titan_draft/data/tasks/)."""
     num_items: int = 10
     """sort: letters per problem."""
     alphabet_size: int = 16
@@ -181,7 +181,7 @@ def validate(cfg, world_size: int):
 
     Runs before any process group exists, so a bad config never half-starts a job.
     """
-    from titan_draft.hf import check_hf_assets
+    from titan_draft.formats.hf import check_hf_assets
     from titan_draft.models import policy_args, tap_layers
     from titan_draft.plan import build_plan
 
@@ -249,7 +249,7 @@ def validate(cfg, world_size: int):
     cp = p.context_parallel_degree
     seq = cfg.training.seq_len
     need(seq >= 1, f"training.seq_len: {seq} must be >= 1")
-    from titan_draft.tasks import check_task
+    from titan_draft.data.tasks import check_task
 
     check_task(cfg, vocab_size, plan)  # the task's own lengths, data and tokenizer
     need(cfg.training.seq_len % (2 * cp) == 0, f"training.seq_len: {cfg.training.seq_len} is not divisible by "
@@ -343,7 +343,7 @@ def _validate_composition(cfg, plan, args, need) -> None:
                  f"use a degree that divides it")
     need(ck.async_mode == "disabled", f"checkpoint.async_mode: '{ck.async_mode}' is not supported; use 'disabled'")
     need(not ck.last_save_in_hf, "checkpoint.last_save_in_hf: not supported (a full checkpoint keeps the draft); "
-         "export with titan_draft.hf.save_policy and `python -m titan_draft.export_draft`")
+         "export with titan_draft.formats.hf.save_policy and `python -m titan_draft.cli.export_draft`")
     need(ck.keep_latest_k == 0 or ck.keep_latest_k >= 2, f"checkpoint.keep_latest_k: {ck.keep_latest_k} must be 0 "
          "(keep all) or >= 2 (the newest may be mid-save)")
     need(ck.interval >= 1, f"checkpoint.interval: {ck.interval} must be >= 1 (RL steps between checkpoints)")
@@ -353,7 +353,7 @@ def _validate_composition(cfg, plan, args, need) -> None:
 
 
 def _validate_pipeline(cfg, dp: int, layers: int, need) -> None:
-    """The RL step through pipeline stages (titan_draft/parallel/pipeline_rl.py)."""
+    """The RL step through pipeline stages (titan_draft/rl/pipelined_policy.py)."""
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     from titan_draft.parallel.pipeline import pipeline_num_stages

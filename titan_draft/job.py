@@ -6,18 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_draft import _compat
 from titan_draft.checkpoint import NOT_STARTED, SFT_DONE, WARMUP_DONE, JobCheckpoint, OptimizerState
-from titan_draft.cotrain import CoTrainSpec, DraftOptimizer
-from titan_draft.eagle3 import load_draft
-from titan_draft.hf import load_policy
-from titan_draft.metrics import MetricsLogger
+from titan_draft.data.tasks import build_task
+from titan_draft.formats.eagle3 import load_draft
+from titan_draft.formats.hf import load_policy
+from titan_draft.infra import _compat
+from titan_draft.infra.metrics import MetricsLogger
 from titan_draft.models import build_models
+from titan_draft.models.cotrain import CoTrainSpec, DraftOptimizer
 from titan_draft.parallel.parallelize import (apply_activation_checkpointing, dp_rank_and_degree, parallelize_draft,
                                               parallelize_policy, training_autocast)
 from titan_draft.plan import RunPlan
-from titan_draft.tasks import build_task
-from titan_draft.warmstart import WarmStartRun, draft_vocab_from_data, sft_policy, warmup_draft
+from titan_draft.rl.warmstart import WarmStartRun, draft_vocab_from_data, sft_policy, warmup_draft
 from torchtitan.distributed import ParallelDims
 
 

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 from titan_draft.models import policy_args, tap_layers
+from torchtitan.distributed import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -54,3 +55,9 @@ def build_plan(cfg, world_size: int) -> RunPlan:
         dp_shard=world_size // others if p.data_parallel_shard_degree == -1 else p.data_parallel_shard_degree,
         cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
         checkpoint_folder=os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
+
+
+def build_parallel_dims(plan: RunPlan) -> ParallelDims:
+    """torchtitan's ParallelDims of the run's plan (no mesh yet: building one needs the process group)."""
+    return ParallelDims(dp_replicate=plan.dp_replicate, dp_shard=plan.dp_shard, cp=plan.cp, tp=plan.tp, pp=plan.pp,
+                        ep=1, etp=1, world_size=plan.world_size)

@@ -10,8 +10,8 @@ How a step flows (README "How a step flows"):
                           forward whose taps and logits also give the draft's TTT loss, both
                           backwards -> clip (over all stages) -> policy optimizer step (skipped when
                           not finite) -> draft optimizer step (own LR, clip, skip/restore rule)
-`s.policy` is the policy holder: rl_update.WholePolicy (one process, FSDP / TP / CP) or
-parallel/pipeline_rl.PipelinedPolicy (pipeline stages); only their forward_backward differs.
+`s.policy` is the policy holder: whole_policy.WholePolicy (one process, FSDP / TP / CP) or
+rl/pipelined_policy.PipelinedPolicy (pipeline stages); only their forward_backward differs.
 [draft] mode = "cotrain" | "frozen" | "none" switches the draft's update / speculation off; the job reads
 it from the run's plan (titan_draft/plan.py: plan.train_draft, plan.speculate), as every setting resolved once.
 """
@@ -26,22 +26,21 @@ import torch.distributed as dist
 
 from titan_draft.checkpoint import IN_RL, SFT_DONE, WARMUP_DONE, JobCheckpoint, OptimizerState
 from titan_draft.config import ConfigError, parse_config, validate
-from titan_draft.cotrain import DraftOptimizer, sample_documents
-from titan_draft.grpo import group_advantages
+from titan_draft.data.tasks import Prompts
+from titan_draft.data.tasks.base import response_budget
+from titan_draft.infra.job_guard import die_with_launcher, lock_dump_folder
+from titan_draft.infra.metrics import MetricsLogger
+from titan_draft.infra.timing import PhasePeak
 from titan_draft.job import Job, build_job, warm_start
-from titan_draft.job_guard import die_with_launcher, lock_dump_folder
-from titan_draft.metrics import MetricsLogger
-from titan_draft.parallel.parallelize import (build_parallel_dims, compute_dtype, describe_rank, dp_rank_and_degree,
-                                              init_process_group, mean_over_dp, optional_mesh, set_collective_timeout,
-                                              sum_over_dp)
-from titan_draft.parallel.pipeline_rl import PipelinedPolicy
-from titan_draft.plan import RunPlan
-from titan_draft.rl_update import WholePolicy
+from titan_draft.models.cotrain import DraftOptimizer, sample_documents
+from titan_draft.parallel.parallelize import (compute_dtype, describe_rank, dp_rank_and_degree, init_process_group,
+                                              mean_over_dp, optional_mesh, set_collective_timeout, sum_over_dp)
+from titan_draft.plan import RunPlan, build_parallel_dims
+from titan_draft.rl.grpo import group_advantages
+from titan_draft.rl.pipelined_policy import PipelinedPolicy
+from titan_draft.rl.step import PolicyHolder, RolloutBatch
+from titan_draft.rl.whole_policy import WholePolicy
 from titan_draft.rollout import EngineOptions, RolloutEngine
-from titan_draft.step import PolicyHolder, RolloutBatch
-from titan_draft.tasks import Prompts
-from titan_draft.tasks.base import response_budget
-from titan_draft.timing import PhasePeak
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.utils import clip_grad_norm_
 

@@ -11,7 +11,7 @@ At inference the same layer runs with a KV cache: the trunk is the cache of acce
 the branch is the chain of drafted tokens at the last anchor.
 
 Module names follow the EAGLE-3 checkpoint layout read by SGLang and vLLM (fc, midlayer.*, norm,
-lm_head, d2t, t2d); export only permutes q/k rows to their RoPE convention (export_draft.py).
+lm_head, d2t, t2d); export only permutes q/k rows to their RoPE convention (cli/export_draft.py).
 """
 from collections.abc import Callable
 from dataclasses import dataclass

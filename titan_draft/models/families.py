@@ -23,8 +23,8 @@ from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs, qwen3_args
 from torchtitan.models.qwen3.model.model import apply_rotary_emb as qwen3_rotary_emb
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-from titan_draft.errors import ConfigError
-from titan_draft.io import read_json
+from titan_draft.infra.errors import ConfigError
+from titan_draft.infra.io import read_json
 
 
 @dataclass(frozen=True)

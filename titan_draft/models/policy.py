@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titan_draft import _compat
+from titan_draft.infra import _compat
 from torchtitan.models.attention import VarlenMetadata
 
-from titan_draft.errors import ConfigError
+from titan_draft.data.packing import PackedBatch
+from titan_draft.infra.errors import ConfigError
 from titan_draft.models.families import family, family_of_args, hf_model_args
 from titan_draft.ops.linear_logprobs import TokenOutputs, linear_token_outputs, logits_token_outputs
-from titan_draft.packing import PackedBatch
 
 # Small flavors for laptops and CI; torchtitan's own flavors ("debugmodel", "8B", ...) work too.
 TINY_FLAVORS = {

@@ -21,7 +21,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from titan_draft.packing import PackedBatch, cu_seqlens_from_lengths
+from titan_draft.data.packing import PackedBatch, cu_seqlens_from_lengths
 from titan_draft.parallel.cp_attention import MODES, CpGroup, cp_branch_attention
 from titan_draft.parallel.halo import HaloShift
 from titan_draft.parallel.zigzag import pad_documents, shard_batch

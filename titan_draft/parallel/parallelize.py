@@ -1,7 +1,7 @@
 """Meshes, FSDP2 and tensor parallelism for the policy and the draft, from torchtitan's [parallelism] keys.
 
 - Meshes: torchtitan's ParallelDims (dp_replicate, dp_shard, cp, tp, pp), built from the run's plan
-  (`build_parallel_dims`; titan_draft/plan.py resolves the degrees), also for one process. Its meshes
+  (titan_draft/plan.py resolves the degrees: `build_parallel_dims`), also for one process. Its meshes
   are built on first use by collectives; a one-process run never builds them (`optional_mesh`).
 - Tensor parallel (both models): attention heads and MLP columns split over `tp` (torch's
   Colwise/RowwiseParallel on the same projections as torchtitan's llama3 plan), norms replicated.
@@ -29,17 +29,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from titan_draft import _compat
-from titan_draft.plan import RunPlan
+from titan_draft.infra import _compat
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.utils import maybe_enable_amp
-
-
-def build_parallel_dims(plan: RunPlan) -> ParallelDims:
-    """torchtitan's ParallelDims of the run's plan (no mesh yet: building one needs the process group)."""
-    return ParallelDims(dp_replicate=plan.dp_replicate, dp_shard=plan.dp_shard, cp=plan.cp, tp=plan.tp, pp=plan.pp,
-                        ep=1, etp=1, world_size=plan.world_size)
 
 
 def optional_mesh(dims: ParallelDims, name: str):

@@ -11,7 +11,7 @@ Each stage module (TapStage) returns only its usual activation to the schedule a
 features (stage 0: the token embeddings first, then its tap layers in ascending order) to the
 TapChannel. The last stage's loss (CoTrainLoss) computes the policy's loss (pluggable: next-token
 cross-entropy on labels here, or a caller's loss on per-row side data such as the RL job's GRPO
-loss in parallel/pipeline_rl.py; either travels as the schedule's `target`, split into microbatches
+loss in rl/pipelined_policy.py; either travels as the schedule's `target`, split into microbatches
 like labels) and the draft's TTT loss on the microbatch's taps, so the draft's backward rides the
 schedule's backward; the draft is a submodule of the last stage, so zero-bubble schedules' split weight pass reaches it too.
 torchtitan's PP path sums microbatch losses unscaled: both losses are divided by their global
@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, ScheduleZBVZeroBubble, get_schedule_class
 
-from titan_draft import _compat
+from titan_draft.infra import _compat
 from torchtitan.config import JobConfig
 from torchtitan.distributed.pipeline_parallel import (
     build_pipeline_schedule,
@@ -35,12 +35,12 @@ from torchtitan.distributed.pipeline_parallel import (
 )
 from torchtitan.models.attention import VarlenMetadata
 
-from titan_draft.cotrain import CoTrainSpec, DraftFeatures, draft_loss, valid_pairs
+from titan_draft.data.packing import DocumentShift
+from titan_draft.models.cotrain import CoTrainSpec, DraftFeatures, draft_loss, valid_pairs
 from titan_draft.models.draft import EagleDraft, Teacher
 from titan_draft.models.policy import TapRecorder
 from titan_draft.ops import branch_attention
 from titan_draft.parallel.cp_attention import CpGroup, cp_branch_attention
-from titan_draft.packing import DocumentShift
 from titan_draft.parallel.halo import HaloShift
 from titan_draft.parallel.tap_channel import TapChannel
 from titan_draft.parallel.zigzag import zigzag_rows
@@ -204,7 +204,7 @@ class CoTrainLoss:
 
     Called by the schedule as loss_fn(logits [B, S, V], target) once per microbatch, in microbatch
     order; takes that microbatch's features from every producer stage (ascending). `policy_loss`
-    (CrossEntropyLoss, pipeline_rl.GRPOLoss) reads its target and says which rows are trained (they
+    (CrossEntropyLoss, pipelined_policy.GRPOLoss) reads its target and says which rows are trained (they
     are the draft's trained rows too). Without a draft (the plain-policy twin) it is the policy's loss alone.
     Per step it accumulates the policy loss's metric sums and the draft's per-pass statistics; the
     returned loss is multiplied by grad_scale (data-parallel gradient averaging, see parallelize.py).

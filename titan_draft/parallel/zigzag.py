@@ -10,8 +10,8 @@ from functools import cached_property
 
 import torch
 
+from titan_draft.data.packing import PackedBatch, cu_seqlens_from_lengths, positions_from_cu_seqlens
 from titan_draft.ops.attention_kernels import host_bounds
-from titan_draft.packing import PackedBatch, cu_seqlens_from_lengths, positions_from_cu_seqlens
 
 
 def _document_chunks(cu_seqlens: torch.Tensor, cp_size: int) -> tuple[list[int], list[int]]:

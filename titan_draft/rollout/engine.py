@@ -67,6 +67,7 @@ from operator import attrgetter
 import torch
 from torch import nn
 
+from titan_draft.infra.timing import DeviceTimer, timed
 from titan_draft.models.draft import DraftArgs
 from titan_draft.rollout.cached_model import CachedModels, cache_width
 from titan_draft.rollout.goodput import GoodputController
@@ -74,7 +75,6 @@ from titan_draft.rollout.graphs import StepGraphs
 from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, probs_from_logits, sample,
                                          speculative_accept)
 from titan_draft.rollout.weights import copy_weights
-from titan_draft.timing import DeviceTimer, timed
 
 # Counters at the head of the engine's status vector: StepStatus's scalar fields.
 STATUS_COUNTS = 5

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_draft.cotrain import CoTrainSpec, DraftFeatures, DraftOptimizer, draft_backward, draft_metrics, valid_pairs
-from titan_draft.metrics import MetricsLogger, progress
+from titan_draft.data.packing import PackedBatch, microbatch_ranges, pack_documents
+from titan_draft.infra.metrics import MetricsLogger, progress
+from titan_draft.models.cotrain import (CoTrainSpec, DraftFeatures, DraftOptimizer, draft_backward, draft_metrics,
+                                        valid_pairs)
 from titan_draft.models.draft import EagleDraft, Teacher, build_draft_vocab
 from titan_draft.models.policy import HeadRequest, TapRecorder, token_outputs
-from titan_draft.packing import PackedBatch, microbatch_ranges, pack_documents
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 
 

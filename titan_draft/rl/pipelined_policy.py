@@ -1,5 +1,5 @@
 """The RL update under pipeline parallelism ([parallelism] pipeline_parallel_degree > 1): PipelinedPolicy,
-the pipelined twin of rl_update.WholePolicy (the same surface; train.train_step uses either).
+the pipelined twin of whole_policy.WholePolicy (the same surface; train.train_step uses either).
 
 - Warm starts (SFT, draft warm-up) run the whole policy on every rank, as without PP. At the start
   of RL the policy's full weights are split once into this rank's stage parts (torchtitan's
@@ -7,7 +7,7 @@ the pipelined twin of rl_update.WholePolicy (the same surface; train.train_step 
   (FSDP2 over dp_shard x cp, per part, the torchtitan way; CP attention installed once). The draft
   stays whole on the last stage.
 - The reference policy (KL penalty, or the kl_to_start metric when asked for) is split the same way,
-  in rl_update.reference_dtype, and runs forward-only through its own schedule (schedule.eval): each rank
+  in whole_policy.reference_dtype, and runs forward-only through its own schedule (schedule.eval): each rank
   holds only its stages of it.
 - forward_backward: reference log-probs, then the co-training schedule with the GRPO loss
   (GRPOLoss below, the same grpo_objective as WholePolicy) plus the draft's TTT loss on the last
@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from titan_draft import _compat
-from titan_draft.grpo import grpo_objective, next_token_logprobs
-from titan_draft.io import full_state_dict
+from titan_draft.infra import _compat
+from titan_draft.infra.io import full_state_dict
+from titan_draft.infra.timing import DeviceTimer
 from titan_draft.models.policy import cast_parameters, job_model_args, policy_from_args
 from titan_draft.ops.linear_logprobs import logits_token_outputs
 from titan_draft.parallel.context_parallel import apply_context_parallel
@@ -38,9 +38,9 @@ from titan_draft.parallel.pipeline import (
     last_stage_pp_rank,
     split_policy,
 )
-from titan_draft.rl_update import needs_reference, policy_optimizer, reference_dtype
-from titan_draft.step import RolloutBatch, StepSums
-from titan_draft.timing import DeviceTimer
+from titan_draft.rl.grpo import grpo_objective, next_token_logprobs
+from titan_draft.rl.step import RolloutBatch, StepSums
+from titan_draft.rl.whole_policy import needs_reference, policy_optimizer, reference_dtype
 from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.config import TORCH_DTYPE_MAP
 
@@ -56,7 +56,7 @@ def grpo_target(next_tokens, response_mask, advantages, ref_logprobs) -> torch.T
 
 
 class GRPOLoss:
-    """Policy loss of the RL step on a grpo_target: titan_draft.grpo.grpo_objective (on-policy clipped
+    """Policy loss of the RL step on a grpo_target: titan_draft.rl.grpo.grpo_objective (on-policy clipped
     surrogate + optional KL to the reference), normalised by the step's global count of response rows.
     has_reference=False: the target's REF_LOGPROB column is unused (no KL term, no KL sum)."""
 

@@ -16,9 +16,9 @@ from fractions import Fraction
 
 import torch
 
-from titan_draft.errors import ConfigError
-from titan_draft.tasks.base import Prompts, check_prompts_fit, response_budget
-from titan_draft.tasks.hf_tokenizer import HFTokenizer
+from titan_draft.data.tasks.base import Prompts, check_prompts_fit, response_budget
+from titan_draft.data.tasks.hf_tokenizer import HFTokenizer
+from titan_draft.infra.errors import ConfigError
 
 NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
 

@@ -1,11 +1,11 @@
 """Export the co-trained draft of a job checkpoint in the EAGLE-3 layout that SGLang and vLLM load.
 
-    python -m titan_draft.export_draft --checkpoint DIR --output OUT [--engine both|vllm|sglang] [job config args]
+    python -m titan_draft.cli.export_draft --checkpoint DIR --output OUT [--engine both|vllm|sglang] [job config args]
 
 DIR is a checkpoint step folder (`.../checkpoint/step-N`) or the checkpoint folder itself (then its
 latest complete step); it must hold a warmed-up draft (the draft warm-up or RL has run). The job config
 gives the model shapes and tap layers, as for training. --engine: the two engines number the tap
-layers differently and read them from different keys (titan_draft/eagle3.py); "both" (default) writes
+layers differently and read them from different keys (titan_draft/formats/eagle3.py); "both" (default) writes
 each engine's numbering under its own key, "vllm" or "sglang" only that engine's.
 """
 import argparse
@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from titan_draft.checkpoint import IN_RL, NOT_STARTED, SFT_DONE, WARMUP_DONE, TrainState, complete_steps
 from titan_draft.config import ConfigError, parse_config
-from titan_draft.eagle3 import BOTH_ENGINES, ENGINES, export_draft, tap_layer_ids
+from titan_draft.formats.eagle3 import BOTH_ENGINES, ENGINES, export_draft, tap_layer_ids
 from titan_draft.models import build_draft, policy_args
 
 PHASES = {NOT_STARTED: "NOT_STARTED (nothing trained)",

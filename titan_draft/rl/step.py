@@ -1,6 +1,6 @@
 """What one RL update reads and returns, for every layout: `RolloutBatch` in, `StepSums` out.
 
-The two policy holders (rl_update.WholePolicy: one process, FSDP / TP / CP; parallel/pipeline_rl.
+The two policy holders (whole_policy.WholePolicy: one process, FSDP / TP / CP; rl/pipelined_policy.
 PipelinedPolicy: pipeline stages) differ only in how they run the forward and backward; both
 read a RolloutBatch and return StepSums, from which train.train_step takes its metrics and the
 draft's skip decision.
@@ -11,8 +11,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from titan_draft.cotrain import draft_metrics
-from titan_draft.packing import PackedBatch, pack_documents, trained_rows
+from titan_draft.data.packing import PackedBatch, pack_documents, trained_rows
+from titan_draft.models.cotrain import draft_metrics
 
 
 @dataclass
@@ -87,8 +87,8 @@ class StepSums:
 
 
 class PolicyHolder(Protocol):
-    """What train.train_step and the checkpoint use of a policy holder: rl_update.WholePolicy (one process,
-    FSDP / TP / CP) and parallel/pipeline_rl.PipelinedPolicy (pipeline stages) both are one."""
+    """What train.train_step and the checkpoint use of a policy holder: whole_policy.WholePolicy (one process,
+    FSDP / TP / CP) and rl/pipelined_policy.PipelinedPolicy (pipeline stages) both are one."""
 
     parts: list[nn.Module]  # the policy's model parts on this rank
     reference_parts: list[nn.Module]  # the start-of-RL reference's, or none when nothing reads log p_ref

@@ -4,9 +4,9 @@
 answers, your Hugging Face tokenizer) or "arith" (step-by-step addition with heavy-tailed answer
 lengths). The job, the warm starts and the benches see only `Task` and `Prompts`.
 """
-from titan_draft.errors import ConfigError
-from titan_draft.tasks import arith, jsonl, sort
-from titan_draft.tasks.base import Prompts, Task, Tokenizer
+from titan_draft.data.tasks import arith, jsonl, sort
+from titan_draft.data.tasks.base import Prompts, Task, Tokenizer
+from titan_draft.infra.errors import ConfigError
 
 __all__ = ["Prompts", "Task", "Tokenizer", "TASKS", "build_task", "check_task"]
 

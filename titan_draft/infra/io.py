@@ -1,7 +1,7 @@
 """Files: written whole or not at all (a file or a folder), Hugging Face folders read (one safetensors
 file or shards), and full state dicts of (possibly sharded) modules. Shared by the Hugging Face policy
-interchange (hf.py), the model families (models/families.py), the EAGLE-3 draft format (eagle3.py) and
-the checkpoint's manifest (checkpoint.py).
+interchange (formats/hf.py), the model families (models/families.py), the EAGLE-3 draft format
+(formats/eagle3.py) and the checkpoint's manifest (checkpoint.py).
 """
 import contextlib
 import glob
@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from titan_draft.errors import ConfigError
+from titan_draft.infra.errors import ConfigError
 
 INDEX_FILE = "model.safetensors.index.json"
 

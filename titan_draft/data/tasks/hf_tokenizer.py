@@ -2,8 +2,8 @@
 import json
 import os
 
-from titan_draft.errors import ConfigError
-from titan_draft.tasks.base import token_ids
+from titan_draft.data.tasks.base import token_ids
+from titan_draft.infra.errors import ConfigError
 
 
 def load_hf_tokenizer(path: str):

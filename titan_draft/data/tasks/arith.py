@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from titan_draft.errors import ConfigError
-from titan_draft.tasks.base import Prompts, response_budget, token_ids
+from titan_draft.data.tasks.base import Prompts, response_budget, token_ids
+from titan_draft.infra.errors import ConfigError
 
 PAD, BOS, EOS, SEP = 0, 1, 2, 3
 DIGIT = 4  # ids 4..13 are the digits 0..9

@@ -7,8 +7,8 @@ SFT data can carry a systematic error (adjacent answer pairs swapped with probab
 """
 import torch
 
-from titan_draft.errors import ConfigError
-from titan_draft.tasks.base import Prompts, response_budget, token_ids
+from titan_draft.data.tasks.base import Prompts, response_budget, token_ids
+from titan_draft.infra.errors import ConfigError
 
 PAD, BOS, EOS, SEP = 0, 1, 2, 3
 FIRST_LETTER = 4

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from titan_draft.ranks import is_rank0
+from titan_draft.infra.ranks import is_rank0
 
 # Wall-clock measurements: the only metrics that may differ between two runs with one seed.
 TIMING_KEYS = frozenset({"rollout_time_s", "rollout_weights_s", "rollout_measure_s", "rollout_prefill_s",

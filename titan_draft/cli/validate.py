@@ -1,15 +1,16 @@
-"""Check a job's configuration before any process starts: `python -m titan_draft.validate --world-size N <job args>`.
+"""Check a job's configuration before any process starts:
+`python -m titan_draft.cli.validate --world-size N <job args>`.
 
 Prints one line naming the key and the fix, and exits 2, for any setting that cannot work
 (including unknown TOML keys, which torchtitan's parser rejects, and a missing or malformed config
-file), and for a dump folder that another running job holds (titan_draft/job_guard.py).
+file), and for a dump folder that another running job holds (titan_draft/infra/job_guard.py).
 """
 import sys
 import tomllib
 import warnings
 
 from titan_draft.config import ConfigError, parse_config, validate
-from titan_draft.job_guard import check_dump_folder
+from titan_draft.infra.job_guard import check_dump_folder
 
 
 def check(argv: list[str], world_size: int):

@@ -1,6 +1,6 @@
 """The RL update of a policy held whole on every rank (one process, FSDP2, TP, CP and their mixes).
 
-Its pipelined twin is parallel/pipeline_rl.PipelinedPolicy; both are policy holders
+Its pipelined twin is rl/pipelined_policy.PipelinedPolicy; both are policy holders
 (step.PolicyHolder: parts, reference_parts, optimizer, forward_backward, rollout_weights,
 checkpoint_states, holds_draft, draft_timer), which is all train.train_step uses.
 
@@ -17,17 +17,17 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from titan_draft.cotrain import DraftFeatures, draft_backward, valid_pairs
-from titan_draft.grpo import grpo_objective
+from titan_draft.data.packing import microbatch_ranges
+from titan_draft.infra.timing import DeviceTimer
+from titan_draft.models.cotrain import DraftFeatures, draft_backward, valid_pairs
 from titan_draft.models.draft import Teacher
 from titan_draft.models.policy import (HeadRequest, TapRecorder, cast_parameters, job_model_args, policy_from_args,
                                        token_outputs)
-from titan_draft.packing import microbatch_ranges
 from titan_draft.parallel.context_parallel import apply_context_parallel, shard_batch_for_cp
 from titan_draft.parallel.parallelize import (batch_group, compute_dtype, cp_mesh, loss_scale, parallelize_policy,
                                               sum_over_dp)
-from titan_draft.step import RolloutBatch, StepSums
-from titan_draft.timing import DeviceTimer
+from titan_draft.rl.grpo import grpo_objective
+from titan_draft.rl.step import RolloutBatch, StepSums
 from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.components.optimizer import OptimizersContainer
 

@@ -4,7 +4,7 @@ from typing import Protocol
 
 import torch
 
-from titan_draft.errors import ConfigError
+from titan_draft.infra.errors import ConfigError
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The EAGLE-3 draft checkpoint format that SGLang and vLLM load, both ways: our EagleDraft -> a folder
-(`export_draft`, behind `python -m titan_draft.export_draft`) and a published folder -> our EagleDraft
+(`export_draft`, behind `python -m titan_draft.cli.export_draft`) and a published folder -> our EagleDraft
 (`load_draft`, behind `--draft.init_path`).
 
 Layout, as read by SGLang python/sglang/srt/models/llama_eagle3.py (sgl-project/sglang 03d5a77) and
@@ -47,9 +47,9 @@ import os
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from titan_draft.errors import ConfigError
-from titan_draft.io import atomic_directory, full_state_dict, read_safetensors
-from titan_draft.ranks import is_rank0
+from titan_draft.infra.errors import ConfigError
+from titan_draft.infra.io import atomic_directory, full_state_dict, read_safetensors
+from titan_draft.infra.ranks import is_rank0
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")  # vLLM's registry knows both names

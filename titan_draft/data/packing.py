@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titan_draft import _compat
+from titan_draft.infra import _compat
 from titan_draft.ops import branch_attention
 from titan_draft.ops.attention_kernels import span_rows
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from titan_draft.data.packing import PackedBatch, microbatch_ranges
 from titan_draft.models.draft import EagleDraft, Teacher, ttt_loss
-from titan_draft.packing import PackedBatch, microbatch_ranges
 
 
 @dataclass

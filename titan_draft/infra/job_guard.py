@@ -19,8 +19,8 @@ import socket
 import sys
 import time
 
-from titan_draft.errors import ConfigError
-from titan_draft.ranks import is_rank0
+from titan_draft.infra.errors import ConfigError
+from titan_draft.infra.ranks import is_rank0
 
 LOCK_NAME = "job.lock"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

@@ -1,6 +1,6 @@
 """Hugging Face interchange: the policy as safetensors + config.json through torchtitan's state-dict
 adapters (titan_draft/models/families.py names them per family), its tokenizer from the same
-folder (torchtitan's HuggingFaceTokenizer), and an EAGLE-3 draft folder (titan_draft/export_draft.py).
+folder (torchtitan's HuggingFaceTokenizer), and an EAGLE-3 draft folder (titan_draft/cli/export_draft.py).
 
 Reading: `families.hf_model_args` turns <folder>/config.json into torchtitan args (model.flavor
 "hf"), `load_policy` loads its safetensors (one file or a sharded checkpoint with
@@ -23,11 +23,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-from titan_draft.errors import ConfigError
-from titan_draft.io import atomic_directory, full_state_dict, read_json, read_safetensors_with_files, safetensors_files
+from titan_draft.infra.errors import ConfigError
+from titan_draft.infra.io import (atomic_directory, full_state_dict, read_json, read_safetensors_with_files,
+                                  safetensors_files)
+from titan_draft.infra.ranks import is_rank0
 from titan_draft.models.families import family
 from titan_draft.models.policy import job_model_args
-from titan_draft.ranks import is_rank0
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 LOAD_KEY = "checkpoint.initial_load_path"

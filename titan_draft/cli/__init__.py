@@ -1,0 +1,1 @@
+"""Command-line tools beside training: validate.py (check a config), export_draft.py (the draft for SGLang/vLLM)."""
