@@ -55,8 +55,9 @@ single function of static-shape tensors that live in engine buffers, with no hos
 synchronisation inside. On CUDA it is captured once per `StepShape` (bucket, K, cache width,
 temperature, top-p, ...) into a CUDA graph and replayed (graphs.py); elsewhere it runs eagerly.
 Both run the same code. The loop reads one small status vector per step (`StepStatus`: running
-rows, the longest row, staged steps, counters). Attention reads only the live part of the caches
-(`cache_width` in cached_model.py). Adaptive K times every step shape of a new batch size once,
+rows, the longest row, staged steps, counters). Attention reads only the live part of the caches:
+each row's slots on CUDA (ops/decode_attention.py), the first `cache_width` slots elsewhere and in
+prefill (cached_model.py); on CUDA the policy's blocks are compiled (`EngineOptions.compile`). Adaptive K times every step shape of a new batch size once,
 before that call's prefill (`measure_steps`), so rollouts do not explore (docs/DESIGN.md 4.4).
 """
 import time
@@ -172,7 +173,7 @@ class StepShape:
     stage: bool
     """A K = 0 step keeps its taps for the draft's trunk (adaptive K)."""
     width: int
-    """Cache slots its attention reads (cached_model.cache_width)."""
+    """Cache slots its attention may read (cached_model.cache_width): the decode kernel's chunk count."""
 
 
 @dataclass(frozen=True)
