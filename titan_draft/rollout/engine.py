@@ -61,6 +61,7 @@ prefill (cached_model.py); on CUDA the policy's blocks are compiled (`EngineOpti
 before that call's prefill (`measure_steps`), so rollouts do not explore (docs/DESIGN.md 4.4).
 """
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
@@ -514,9 +515,9 @@ class RolloutEngine:
                     with timer():
                         first = self.graphs.run(shape, partial(self._decode_step, shape))
                     self._status.tolist()  # the loop's host sync, as in a call
+                    step_seconds = timer.pop_seconds()
                     if not first:
-                        seconds.append(timer.pop_seconds())
-                    timer.pop_seconds()
+                        seconds.append(step_seconds)
                 costs[bucket, k] = sorted(seconds)[len(seconds) // 2]
                 self.controller.observe_cost(bucket, k, costs[bucket, k])
         self._counts.staged.zero_()
@@ -624,17 +625,21 @@ class RolloutEngine:
             # + max_k: the verify window, the draft's branch and trunk slots.
             width = cache_width(self.slots, status.longest + self.max_k)
             shape = StepShape(B0, B, k, temperature, top_p, stage=adaptive and not k, width=width)
-            with timer():  # a flush is timed with the step it precedes: part of the cost of drafting again
+            # Only adaptive K reads step times; a flush is timed with the step it precedes: part of
+            # the cost of drafting again.
+            with timer() if adaptive else nullcontext():
                 first = False
                 if status.staged and (k or status.staged == self.max_k + 1):
                     first = self.graphs.run(("flush", B, width), partial(self._flush_staged, B, width))
                 first |= self.graphs.run(shape, partial(self._decode_step, shape))
             steps_per_k[k] += 1
             previous, status = status, StepStatus.read(self._status, self.max_k)  # the loop's one host sync
+            if not adaptive:
+                continue
             seconds = timer.pop_seconds()
-            if adaptive and not first:
+            if not first:
                 self.controller.observe_cost(B, k, seconds)
-            if adaptive and k:  # this step's counts per draft position
+            if k:  # this step's counts per draft position
                 self.controller.observe_acceptance(
                     [a - b for a, b in zip(status.accepted_per_position, previous.accepted_per_position)],
                     [a - b for a, b in zip(status.drafted_per_position, previous.drafted_per_position)])
