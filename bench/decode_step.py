@@ -24,13 +24,12 @@ Prints the tables and writes bench/results/decode_step_<preset>_<device>.json (-
 import argparse
 import os
 import re
-import statistics
 from collections import defaultdict
 from functools import partial
 
 import torch
 
-from bench._common import REPO_ROOT, device_tag, environment, synchronize, write_json
+from bench._common import REPO_ROOT, device_tag, environment, median_time, synchronize, write_json
 from bench._job import add_job_arguments, job_config, resolve_preset
 from titan_draft.models import build_models
 from titan_draft.parallel.parallelize import compute_dtype
@@ -136,27 +135,6 @@ def captured(engine: RolloutEngine, key: tuple, fn):
     return steps[key]
 
 
-def replay_seconds(call, engine: RolloutEngine, repeats: int) -> float:
-    """Median seconds of call() (a `captured` one: replayed from its CUDA graph on CUDA), after a warm-up call."""
-    call()
-    times = []
-    for _ in range(repeats):
-        if engine.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            import time
-
-            begin = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - begin)
-    return statistics.median(times)
-
-
 def kernel_profile(call, engine: RolloutEngine, replays: int = 10) -> dict | None:
     """One captured call split by kernel kind: {kind: {"ms", "kernels"}} per call, the call's time
     (graph replays back to back) and `idle_ms`, the part of it with no kernel running; None off CUDA."""
@@ -206,8 +184,9 @@ def step_costs(engine: RolloutEngine, batch: int, context: int, temperature: flo
     `context` cached tokens. Scribbles on the engine's state: run it between generations."""
     engine.reserve(batch, context + engine.max_k + 1)
     target = partial(target_step, engine, batch, context=context, temperature=temperature)
-    plain = replay_seconds(target(0), engine, repeats)
-    verify = {k: replay_seconds(target(k), engine, repeats) for k in range(1, engine.max_k + 1)}
+    seconds = partial(median_time, warmup=1, iters=repeats, device=engine.device, queued=True)
+    plain = seconds(target(0))[0]
+    verify = {k: seconds(target(k))[0] for k in range(1, engine.max_k + 1)}
     steps = engine.measure_steps(batch, engine.max_k, temperature, top_p, context, repeats=repeats)
     nbytes = plain_step_bytes(engine, batch, context)
     roofline_ms = None if bandwidth is None else 1e3 * nbytes / bandwidth
