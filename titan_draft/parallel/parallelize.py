@@ -26,6 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -58,11 +59,21 @@ def compute_dtype(param_dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else TORCH_DTYPE_MAP[param_dtype]
 
 
+def fsdp_wraps(dims: ParallelDims, param_dtype: str, device: torch.device) -> bool:
+    """Whether FSDP2 wraps the models: under data-parallel sharding or replication, and in one process
+    that trains in a lower precision. There FSDP's MixedPrecisionPolicy casts the parameters for
+    compute over a mesh of one rank, as it does over many; autocast would leave float32 RMSNorm
+    weights beside bf16 activations, a mix torch's fused rms_norm refuses (it warns and falls back)."""
+    if dims.fsdp_enabled or dims.dp_replicate_enabled:
+        return True
+    return dims.world_size == 1 and compute_dtype(param_dtype, device) != torch.float32
+
+
 def training_autocast(param_dtype: str, device: torch.device, dims: ParallelDims):
     """The training forwards' mixed precision, by torchtitan's rule: FSDP casts the parameters itself,
     otherwise autocast to compute_dtype; nothing to do when that is float32. The object is reusable:
     enter it around every training forward."""
-    if compute_dtype(param_dtype, device) == torch.float32:
+    if compute_dtype(param_dtype, device) == torch.float32 or fsdp_wraps(dims, param_dtype, device):
         return contextlib.nullcontext()
     return maybe_enable_amp(dims, param_dtype, device.type)
 
@@ -136,6 +147,10 @@ def loss_scale(dims: ParallelDims) -> float:
 
 
 def _fsdp_mesh(dims: ParallelDims):
+    """FSDP's mesh: torchtitan's (dp_replicate x) fsdp, or in one process a mesh of its one rank, which
+    torchtitan's ParallelDims does not build (fsdp_wraps)."""
+    if dims.world_size == 1:
+        return init_device_mesh(_compat.device().type, (1,), mesh_dim_names=("fsdp",))
     return dims.get_mesh(["dp_replicate", "fsdp"] if dims.dp_replicate_enabled else "fsdp")
 
 
@@ -170,7 +185,7 @@ def parallelize_policy(policy: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
         for block in policy.layers.values():
             parallelize_module(block, tp_mesh, POLICY_LAYER_TP_PLAN)
         _replicate_norms(policy, tp_mesh)
-    if dims.fsdp_enabled or dims.dp_replicate_enabled:
+    if fsdp_wraps(dims, cfg.training.mixed_precision_param, _compat.device()):
         apply_fsdp(policy, _fsdp_mesh(dims), param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],
                    reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce], pp_enabled=dims.pp_enabled,
                    reshard_after_forward_policy=cfg.parallelism.fsdp_reshard_after_forward)
@@ -233,7 +248,7 @@ def parallelize_draft(draft: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
         _replicate_over(draft.fc, tp_mesh)
         _replicate_norms(draft, tp_mesh)
         draft.vocab_parallel_group = tp_mesh.get_group()  # ttt_loss's soft cross-entropy reduces over it
-    if dims.fsdp_enabled or dims.dp_replicate_enabled:
+    if fsdp_wraps(dims, cfg.training.mixed_precision_param, _compat.device()):
         mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],
                                   reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce])
         # The draft is driven through its methods (ttt_forward, logits), never its forward(): the

@@ -29,8 +29,8 @@ from titan_draft.infra.timing import DeviceTimer
 from titan_draft.models.policy import cast_parameters, job_model_args, policy_from_args
 from titan_draft.ops.linear_logprobs import logits_token_outputs
 from titan_draft.parallel.context_parallel import apply_context_parallel
-from titan_draft.parallel.parallelize import (apply_activation_checkpointing, batch_group, cp_mesh, loss_scale,
-                                              parallelize_policy, sum_over_dp)
+from titan_draft.parallel.parallelize import (apply_activation_checkpointing, batch_group, cp_mesh, fsdp_wraps,
+                                              loss_scale, parallelize_policy, sum_over_dp)
 from titan_draft.parallel.pipeline import (
     PipelineSetup,
     build_pipeline_cotrain,
@@ -118,7 +118,7 @@ class Weights:
 
 def activation_dtype(cfg, dims) -> torch.dtype:
     """What the stages compute in: FSDP's mixed-precision param dtype when FSDP wraps them."""
-    if dims.fsdp_enabled or dims.dp_replicate_enabled:
+    if fsdp_wraps(dims, cfg.training.mixed_precision_param, _compat.device()):
         return TORCH_DTYPE_MAP[cfg.training.mixed_precision_param]
     return torch.float32
 

@@ -24,8 +24,8 @@ from titan_draft.models.draft import Teacher
 from titan_draft.models.policy import (HeadRequest, TapRecorder, cast_parameters, job_model_args, policy_from_args,
                                        token_outputs)
 from titan_draft.parallel.context_parallel import apply_context_parallel, shard_batch_for_cp
-from titan_draft.parallel.parallelize import (batch_group, compute_dtype, cp_mesh, loss_scale, parallelize_policy,
-                                              sum_over_dp)
+from titan_draft.parallel.parallelize import (batch_group, compute_dtype, cp_mesh, fsdp_wraps, loss_scale,
+                                              parallelize_policy, sum_over_dp)
 from titan_draft.rl.grpo import grpo_objective
 from titan_draft.rl.step import RolloutBatch, StepSums
 from torchtitan.components.checkpoint import ModelWrapper
@@ -55,8 +55,8 @@ def reference_policy(policy: nn.Module, job) -> nn.Module:
     deep-copied: the same layout, then the sharded state)."""
     cfg = job.cfg
     dtype = reference_dtype(cfg, job.device, next(policy.parameters()).dtype)
-    if not job.plan.distributed:  # one process: the policy is a plain module
-        reference = cast_parameters(copy.deepcopy(policy), dtype)
+    if not fsdp_wraps(job.dims, cfg.training.mixed_precision_param, job.device) and not job.plan.distributed:
+        reference = cast_parameters(copy.deepcopy(policy), dtype)  # a plain module
     else:
         reference = parallelize_policy(cast_parameters(policy_from_args(job_model_args(cfg)), dtype), job.dims, cfg)
         set_model_state_dict(reference, get_model_state_dict(policy))

@@ -1,0 +1,79 @@
+"""Mixed precision in one process, the torchtitan way: FSDP2's MixedPrecisionPolicy over a mesh of one
+rank casts the parameters (parallelize.fsdp_wraps), where autocast would feed float32 RMSNorm weights
+bf16 activations (torch then warns "Mismatch dtype between input and weight" and leaves its fused
+kernel). The CPU computes in float32 (parallelize.compute_dtype); the worker gives it a GPU's bf16."""
+import os
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from distributed import run_distributed  # noqa: E402
+from test_parallel_compose import fixed_rollouts  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+JOB = ["--job.config_file", os.path.join(ROOT, "train_configs", "sort_tiny_cpu.toml"), "--model.name", "qwen3",
+       "--model.flavor", "debugmodel", "--training.seq_len", "32", "--task.num_items", "4", "--draft.vocab_size", "16",
+       "--rl.prompts_per_step", "2", "--rl.group_size", "4", "--rl.kl_coef", "0.05",
+       "--training.mixed_precision_param", "bfloat16", "--debug.seed", "3"]
+
+
+def mismatch_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "Mismatch dtype" in str(w.message)]
+
+
+def one_process_bf16_step(rank, world_size):
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from titan_draft.config import parse_config
+    from titan_draft.infra.metrics import MetricsLogger
+    from titan_draft.job import build_job
+    from titan_draft.models.cotrain import DraftOptimizer
+    from titan_draft.data.packing import pack_documents
+    from titan_draft.models.policy import cast_parameters, forward_packed, job_model_args, policy_from_args
+    from titan_draft.parallel import parallelize
+    from titan_draft.plan import build_parallel_dims, build_plan
+    from titan_draft.rl.warmstart import draft_vocab_from_data
+    from titan_draft.train import RLState, train_step
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    parallelize.compute_dtype = lambda param_dtype, device: TORCH_DTYPE_MAP[param_dtype]  # as on a GPU
+    cfg = parse_config(JOB)
+    plan = build_plan(cfg, world_size)
+    dims = build_parallel_dims(plan)
+    plain = policy_from_args(job_model_args(cfg), seed=cfg.debug.seed)  # the job's initial weights, unwrapped
+    job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, enabled=False), plan=plan, dims=dims)
+    wrapped = {name: isinstance(m, FSDPModule) for name, m in (("policy", job.policy), ("draft.fc", job.draft.fc))}
+    sharded = all(isinstance(p, DTensor) for p in job.policy.parameters())
+    draft_vocab_from_data(job.task, job.draft, torch.Generator().manual_seed(5))
+    batch = pack_documents([torch.randint(0, 32, (n,)) for n in (12, 20)], [4, 6])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with job.amp:
+            logits = forward_packed(job.policy, batch).detach()
+        state = RLState.create(job, DraftOptimizer(job.draft, cfg.draft))
+        metrics = train_step(state, fixed_rollouts(cfg, job.task))
+    with warnings.catch_warnings(record=True) as caught_autocast:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 weights under autocast
+            forward_packed(plain, batch)
+    bf16_logits = forward_packed(cast_parameters(plain, torch.bfloat16), batch).detach()
+    return dict(wrapped=wrapped, sharded=sharded, amp=type(job.amp).__name__, warnings=mismatch_warnings(caught),
+                autocast_warnings=mismatch_warnings(caught_autocast), logits=logits, bf16_logits=bf16_logits,
+                metrics=metrics)
+
+
+def test_one_process_mixed_precision_is_fsdp_without_dtype_mismatch():
+    (result,) = run_distributed(one_process_bf16_step, 1, timeout=300)
+    assert result["wrapped"] == {"policy": True, "draft.fc": True} and result["sharded"]
+    assert result["amp"] == "nullcontext"  # FSDP casts: no autocast around the forwards
+    assert result["autocast_warnings"], "autocast with float32 norms no longer warns: the check below proves nothing"
+    assert result["warnings"] == []
+    # The same math as a bf16 copy of the initial weights.
+    assert result["logits"].dtype == torch.bfloat16
+    torch.testing.assert_close(result["logits"], result["bf16_logits"], rtol=0, atol=0)
+    metrics = result["metrics"]
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values() if isinstance(v, float))
+    assert metrics["kl_to_start"] == 0.0  # the reference (FSDP-wrapped like the policy) equals it at the start
