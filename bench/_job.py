@@ -4,6 +4,7 @@ train_configs/ plus overrides, and a job built and warm-started by the library's
 import os
 
 import torch
+import torch.distributed as dist
 
 from bench._common import REPO_ROOT, timed
 from titan_draft.config import parse_config, validate
@@ -11,6 +12,7 @@ from titan_draft.infra.io import atomic_directory
 from titan_draft.infra.metrics import MetricsLogger
 from titan_draft.job import Job, build_job, warm_start
 from titan_draft.models.cotrain import DraftOptimizer
+from titan_draft.parallel.parallelize import init_process_group
 from titan_draft.plan import build_parallel_dims, build_plan
 
 
@@ -47,6 +49,8 @@ def warm_started_job(cfg, dump_folder: str, saved: str | None = None) -> tuple[J
     (a GPU's minutes of SFT, reused by later runs)."""
     cfg.draft.mode = "cotrain"
     plan = build_plan(cfg, 1)
+    if not dist.is_initialized():  # train.py's group of one: FSDP's one-rank mesh under bf16 needs it
+        init_process_group(cfg)
     job = build_job(cfg, MetricsLogger(dump_folder, tensorboard=False), plan=plan, dims=build_parallel_dims(plan))
     draft_opt = DraftOptimizer(job.draft, cfg.draft)
     path = saved and os.path.join(saved, WARM_START_FILE)
