@@ -51,8 +51,11 @@ class ScheduledK:
     def new_call(self):
         self.step = 0
 
-    def would_draft(self, buckets, max_k):
+    def would_draft(self, buckets, max_k, overhead_s=0.0):
         return True  # every call keeps the draft current; the schedule alone picks each step's K
+
+    def observe_call(self, plain_steps):
+        pass
 
     def choose(self, bucket, max_k):
         self.step += 1
@@ -479,6 +482,25 @@ def test_controller_keeps_its_k_against_small_differences():
     assert controller.choose(16, 2) == 2  # an unmeasured bucket explores, largest K first
 
 
+def test_controller_drafts_a_call_only_when_its_saving_beats_the_draft_prefill():
+    """Position 0 accepted 80%: K = 1 emits 1.8 tokens per 1.2 s step, 0.667 s per plain step it replaces,
+    so a call of 30 plain steps in the bucket saves 30 x (1 - 0.667) = 10 s: it drafts when the draft's
+    prefill costs less. Before any call is observed the best K alone decides."""
+    controller = GoodputController(1)
+    controller.observe_acceptance([799], [999])
+    controller.observe_cost(8, 0, 1.0)
+    controller.observe_cost(8, 1, 1.2)
+    assert controller.call_saving([8], 1) == 0.0  # no call observed: no steps to save on
+    assert controller.would_draft([8], 1, overhead_s=1e9)
+    controller.observe_call({8: 30.0})
+    assert controller.call_saving([8], 1) == pytest.approx(10.0)
+    assert controller.would_draft([8], 1, overhead_s=9.0)
+    assert not controller.would_draft([8], 1, overhead_s=11.0)
+    assert controller.call_saving([8, 16], 1) is None and controller.would_draft([8, 16], 1, 11.0)  # 16 unmeasured
+    controller.observe_call({16: 4.0})  # running means: the 8-row bucket's steps fall by cost_weight
+    assert controller.plain_steps == pytest.approx({8: 22.5, 16: 4.0})
+
+
 def test_adaptive_generation_follows_the_cost_table():
     """Through the engine: when drafting is priced out every step runs K = 0 (no draft work, the
     plain tokens) and the call runs as plain decoding (its prefill skips the draft); when drafting
@@ -497,6 +519,15 @@ def test_adaptive_generation_follows_the_cost_table():
         assert (out.num_drafts == 0) == priced_out
         prefills = [key for key in engine.graphs.uses if isinstance(key, tuple) and key[:3] == ("prefill", 3, 6)]
         assert [key[3] for key in prefills] == [False, True][:2 - priced_out]  # (rows, P, with the draft?)
+        # The call's plain steps (its one 3-row bucket): one per step without drafts, up to K + 1 with.
+        (plain_steps,) = engine.controller.plain_steps.values()
+        if priced_out:
+            assert engine.controller.plain_steps == {3: out.num_decode_steps}
+        assert out.num_decode_steps <= plain_steps <= 4 * out.num_decode_steps
+    # Drafting pays in the steps, but the draft's prefill over the prompts costs more than it saves.
+    engine.draft_prefill_s_per_token = 1e9
+    out = engine.generate(prompts, 12, num_speculative_tokens=3, adaptive=True, temperature=0, eos_id=NEVER)
+    assert out.num_drafts == 0 and torch.equal(out.tokens, plain.tokens)
 
 
 def test_adaptive_first_call_measures_every_step_shape_without_changing_the_samples():
@@ -508,6 +539,7 @@ def test_adaptive_first_call_measures_every_step_shape_without_changing_the_samp
     first = engine.generate(prompts, 12, num_speculative_tokens=3, adaptive=True, eos_id=5,
                             generator=torch.Generator().manual_seed(1))
     assert set(engine.controller.cost) == {(b, k) for b in (1, 2, 3) for k in range(4)}
+    assert engine.draft_prefill_s_per_token > 0  # and what the draft's prefill costs per prompt token
     assert first.timing["measure_s"] > 0
     again = engine.generate(prompts, 12, num_speculative_tokens=3, adaptive=True, eos_id=5)
     assert again.timing["measure_s"] == 0  # once per batch size

@@ -46,9 +46,10 @@ Adaptive K (`generate(adaptive=True)`): before each step `GoodputController` pic
 drafts 0..K with the most expected tokens per second at the current bucket, from online acceptance
 rates per draft position and measured step times per (bucket, K). A K = 0 step runs no draft: it
 stages its taps, and the draft's trunk takes the staged anchors in one pass-1 call before the next
-drafting step (or when max_k + 1 are staged). Any K, at any step, is lossless. A call in which no
-bucket would draft (`GoodputController.would_draft`) runs as plain decoding: no draft prefill, no
-staged taps, so speculation that does not pay costs a call nothing beyond the draft's weight refresh.
+drafting step (or when max_k + 1 are staged). Any K, at any step, is lossless. A call whose
+expected saving does not beat the draft's prefill over its prompts (`GoodputController.would_draft`)
+runs as plain decoding: no draft prefill, no staged taps, so speculation that does not pay costs a
+call nothing beyond the draft's weight refresh.
 
 Speed: one decode step (draft K tokens, verify, accept, roll back, extend the draft's trunk) is a
 single function of static-shape tensors that live in engine buffers, with no host
@@ -224,6 +225,7 @@ class RolloutEngine:
         self.graphs = StepGraphs(options.cuda_graphs and self.device.type == "cuda", self._rng)
         self.controller = GoodputController(self.max_k)
         self._measured: set[tuple] = set()  # (rows, K, temperature, top_p) of adaptive calls measured
+        self.draft_prefill_s_per_token = 0.0  # the draft's trunk over prompts (measure_steps)
         self.buffer_rows = self.slots = 0  # the state buffers' rows and cache slots (none yet)
 
         self._draft_extend, self._draft_pass = self.model.draft_extend, self.model.draft_pass
@@ -521,7 +523,19 @@ class RolloutEngine:
                 costs[bucket, k] = sorted(seconds)[len(seconds) // 2]
                 self.controller.observe_cost(bucket, k, costs[bucket, k])
         self._counts.staged.zero_()
+        if self.draft is not None:
+            self.draft_prefill_s_per_token = self._measure_draft_prefill(B0, length, width, repeats) / (B0 * length)
         return costs
+
+    def _measure_draft_prefill(self, B: int, P: int, width: int, repeats: int) -> float:
+        """Median seconds of the draft's trunk over B dummy prompts of P tokens, as prefill runs it (what
+        a drafting call adds to plain decoding's prefill; the first run compiles or warms up)."""
+        next_emb = self.policy.tok_embeddings(self._tokens[:B, 1:P + 1])
+        taps = torch.zeros(B, P, self._staged_taps.shape[-1], dtype=self.dtype, device=self.device)
+        start, count = (torch.full((B,), n, dtype=torch.long, device=self.device) for n in (0, P))
+        seconds = [timed(lambda: self._draft_extend(next_emb, taps, start, count, width), self.device)[0]
+                   for _ in range(repeats + 1)]
+        return sorted(seconds[1:])[repeats // 2]
 
     def _compact(self, B: int, bucket: int) -> None:
         """Move the running rows (in order, then finished ones to fill the bucket) to slots
@@ -557,15 +571,18 @@ class RolloutEngine:
         drafts = K  # the call's most drafts per step: 0 runs plain decoding (no draft prefill, no taps kept)
         if adaptive:
             self.controller.new_call()
-            if not self.controller.would_draft(self._buckets(B), K):
-                drafts, adaptive = 0, False
+            draft_prefill_s = self.draft_prefill_s_per_token * B * P
+            if not self.controller.would_draft(self._buckets(B), K, overhead_s=draft_prefill_s):
+                drafts = 0
         self.graphs.unreplayed = 0
         self._rng.manual_seed(int(torch.randint(2**62, (), generator=generator, device=seed_device)))
 
         timing["prefill_s"], _ = timed(lambda: self._start(padded, prompt_lengths, max_new_tokens, eos_id, drafts > 0,
                                                         temperature, top_p), self.device)
-        timing["decode_s"], (steps_per_k, out_tokens, out_lengths, status) = timed(
-            lambda: self._decode(B, K, drafts, adaptive, temperature, top_p, total), self.device)
+        timing["decode_s"], (steps_per_k, out_tokens, out_lengths, status, plain_steps) = timed(
+            lambda: self._decode(B, K, drafts, adaptive and drafts > 0, temperature, top_p, total), self.device)
+        if adaptive:
+            self.controller.observe_call(plain_steps)
 
         verify_rows, emitted = status.verify_rows, status.emitted
         accepted = torch.tensor(status.accepted_per_position[:K], dtype=torch.long)
@@ -602,7 +619,8 @@ class RolloutEngine:
     def _decode(self, B0: int, K: int, drafts: int, adaptive: bool, temperature: float, top_p: float, total: int):
         """Decode steps with `drafts` drafts each (adaptive: 0..drafts, chosen per step) until every
         row has finished: (steps per draft length [K + 1], tokens [B0, total] and lengths [B0] of
-        the rows, on the device, and the last StepStatus)."""
+        the rows, on the device, the last StepStatus, and per bucket the steps plain decoding needs
+        there: GoodputController.observe_call)."""
         out_tokens = torch.empty(B0, total, dtype=torch.long, device=self.device)
         out_lengths = torch.empty(B0, dtype=torch.long, device=self.device)
 
@@ -612,6 +630,7 @@ class RolloutEngine:
             out_lengths[rows] = self._lengths[:B]
 
         steps_per_k = torch.zeros(K + 1, dtype=torch.long)
+        plain_steps: dict[int, float] = {}
         timer = DeviceTimer(self.device)
         B, status = B0, StepStatus.read(self._status, self.max_k)
         while status.running:
@@ -634,6 +653,7 @@ class RolloutEngine:
                 first |= self.graphs.run(shape, partial(self._decode_step, shape))
             steps_per_k[k] += 1
             previous, status = status, StepStatus.read(self._status, self.max_k)  # the loop's one host sync
+            plain_steps[B] = plain_steps.get(B, 0.0) + (status.emitted - previous.emitted) / previous.running
             if not adaptive:
                 continue
             seconds = timer.pop_seconds()
@@ -644,4 +664,4 @@ class RolloutEngine:
                     [a - b for a, b in zip(status.accepted_per_position, previous.accepted_per_position)],
                     [a - b for a, b in zip(status.drafted_per_position, previous.drafted_per_position)])
         save(B)
-        return steps_per_k, out_tokens, out_lengths, status
+        return steps_per_k, out_tokens, out_lengths, status, plain_steps

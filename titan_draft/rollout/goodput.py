@@ -17,6 +17,10 @@ class GoodputController:
     running mean of measured step times; in a bucket every K gets a measurement (largest K first)
     before any K is judged. A bucket keeps its last K unless another promises `switch_gain` more
     tokens per second: measurement noise does not flip K (each new step shape costs a capture).
+
+    Per call, speculation also costs the draft's prefill over the prompts: `would_draft` weighs it
+    against the decode seconds a drafting call saves (`call_saving`), from the plain-decoding steps
+    that calls need per bucket (`observe_call`, a running mean over calls).
     """
 
     def __init__(self, max_k: int, *, decay: float = 0.5, prior_steps: float = 1.0, cost_weight: float = 0.25,
@@ -29,6 +33,8 @@ class GoodputController:
         self.drafted = [0.0] * max_k
         self.cost: dict[tuple[int, int], float] = {}
         """(bucket, K) -> seconds per step."""
+        self.plain_steps: dict[int, float] = {}
+        """bucket -> the steps plain decoding needs there in a call (running mean over calls)."""
 
     def new_call(self) -> None:
         self.accepted = [self.decay * a for a in self.accepted]
@@ -43,6 +49,13 @@ class GoodputController:
     def observe_cost(self, bucket: int, K: int, seconds: float) -> None:
         old = self.cost.get((bucket, K))
         self.cost[bucket, K] = seconds if old is None else old + self.cost_weight * (seconds - old)
+
+    def observe_call(self, plain_steps: dict[int, float]) -> None:
+        """A call's decode work per bucket: the steps plain decoding needs there (each step's emitted
+        tokens over its running rows: one per step without drafts, its tokens per row with them)."""
+        for bucket in plain_steps.keys() | self.plain_steps.keys():
+            old, new = self.plain_steps.get(bucket), plain_steps.get(bucket, 0.0)
+            self.plain_steps[bucket] = new if old is None else old + self.cost_weight * (new - old)
 
     def acceptance_rates(self) -> list[float]:
         """a_k for k = 0..max_k-1."""
@@ -63,16 +76,34 @@ class GoodputController:
             return None
         return {K: self.expected_tokens(K) / self.cost[bucket, K] for K in range(max_k + 1)}
 
-    def would_draft(self, buckets, max_k: int) -> bool:
-        """Whether some step in one of these buckets would draft (K > 0 has the most goodput, or a
-        K is still unmeasured): a call that would not runs as plain decoding, without the draft's
-        prefill and staged taps. Acceptance counts decay towards the prior's full acceptance
-        (`new_call`), so such calls draft again after a while and measure acceptance afresh."""
+    def call_saving(self, buckets, max_k: int) -> float | None:
+        """Decode seconds a call that drafts saves over plain decoding: per bucket, its plain steps
+        times (a plain step's cost - the best K's cost per plain step it replaces); None while a
+        bucket has an unmeasured K."""
+        saving = 0.0
         for bucket in buckets:
             goodput = self.goodput(bucket, max_k)
-            if goodput is None or max(goodput, key=goodput.get) > 0:
-                return True
-        return False
+            if goodput is None:
+                return None
+            best = max(goodput, key=goodput.get)
+            plain_step_s = self.cost[bucket, 0]
+            saving += self.plain_steps.get(bucket, 0.0) * (plain_step_s - 1 / goodput[best])
+        return saving
+
+    def would_draft(self, buckets, max_k: int, overhead_s: float = 0.0) -> bool:
+        """Whether a call over these buckets should draft: while a K is unmeasured; before any call
+        was observed, where some bucket's best K > 0; after, where the call's expected saving
+        exceeds `overhead_s`, what drafting adds outside the steps (the draft's prefill). A call
+        that should not runs as plain decoding, without the draft's prefill and staged taps.
+        Acceptance counts decay towards the prior's full acceptance (`new_call`), so such calls
+        draft again after a while and measure acceptance afresh."""
+        saving = self.call_saving(buckets, max_k)
+        if saving is None:
+            return True
+        if not self.plain_steps:
+            goodputs = [self.goodput(bucket, max_k) for bucket in buckets]
+            return any(max(goodput, key=goodput.get) > 0 for goodput in goodputs)
+        return saving > overhead_s
 
     def choose(self, bucket: int, max_k: int) -> int:
         """K in 0..max_k for a step of `bucket` rows."""
