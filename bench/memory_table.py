@@ -251,8 +251,8 @@ def parse_args():
     add_job_arguments(p, PRESETS, default="qwen3_1.7b_tail" if torch.cuda.is_available() else "tiny")
     p.add_argument("--levers", nargs="+", choices=list(LEVER_SETS), default=DEFAULT_LEVER_SETS,
                    help="lever sets to search (default: all_on and each lever off alone)")
-    p.add_argument("--limit-gib", type=float, help="a probe fits when both phases' peaks are at most this "
-                   "(default: the device's memory)")
+    p.add_argument("--limit-gib", type=float, help="a probe fits when both phases' allocated peaks are at most "
+                   "this (default: the device's memory)")
     p.add_argument("--max-rollouts", type=int, help="the most rollouts probed (default: the preset's)")
     p.add_argument("--out", help="JSON output path (default bench/results/memory_table_<preset>.json)")
     p.add_argument("--resume", action="store_true", help="take the probes of --out when it holds this run's settings")
@@ -288,15 +288,17 @@ class TableRun:
     def __init__(self, a, overrides: dict[str, list[str]], *, group: int, start: int, cap: int, dump_folder: str):
         self.a, self.overrides, self.group, self.start, self.cap = a, overrides, group, start, cap
         self.dump_folder, self.lock = dump_folder, threading.Lock()
-        run = {"preset": a.preset, "config": a.config, "overrides": a.overrides, "limit_gib": a.limit_gib,
-               "max_rollouts": a.max_rollouts}
+        run = {"preset": a.preset, "config": os.path.relpath(a.config, REPO_ROOT), "overrides": a.overrides,
+               "limit_gib": a.limit_gib, "max_rollouts": a.max_rollouts}
         self.report = {"run": run, "draft_mode": "cotrain", "group_size": group, "start_prompts": start,
                        "table": {}, "probes": {}}
         if a.resume and os.path.isfile(a.out):
             with open(a.out) as f:
                 previous = json.load(f)
-            if previous["run"] == run:
-                self.report = previous
+            if previous["run"] != run:
+                raise SystemExit(f"--resume: {a.out} was made with other settings ({previous['run']}, this run: "
+                                 f"{run}); leave out --resume or pick another --out")
+            self.report = previous
         for name in a.levers:
             self.report["probes"].setdefault(name, [])
 
@@ -326,6 +328,10 @@ class TableRun:
     def add_probe(self, name: str, record: dict) -> dict:
         """The probe process's record with `fits` decided, added to the report (written) and printed."""
         environment, device_gib = record.pop("environment"), record.pop("device_gib")
+        measured_on = self.report.get("environment", environment)["device"]
+        if measured_on != environment["device"]:
+            raise RuntimeError(f"--resume: {self.a.out} holds probes made on {measured_on}, this run's are on "
+                               f"{environment['device']}; leave out --resume or pick another --out")
         limit = self.a.limit_gib or device_gib
         peaks = (record["peak_gib_rollout"], record["peak_gib_train"])
         record["fits"] = record["oom"] is None and (limit is None or all(peak <= limit for peak in peaks))

@@ -183,7 +183,8 @@ def test_memory_table_rollout_phase_holds_full_length_rows_as_release_caches_say
 
     tiny = PRESETS["tiny"]
     for release in (True, False):
-        overrides = [*tiny["overrides"], "--draft.mode", "cotrain"] + ([] if release else ["--rollout.no-release-caches"])
+        lever = [] if release else ["--rollout.no-release-caches"]
+        overrides = [*tiny["overrides"], "--draft.mode", "cotrain", *lever]
         prober = Prober(ProbeSettings(os.path.join(REPO_ROOT, tiny["config"]), tuple(overrides), str(tmp_path),
                                       max_prompts=2))
         rollouts, engine = prober.rollouts(2), prober.state.engine
