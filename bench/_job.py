@@ -1,5 +1,5 @@
-"""The job side of the RL drivers (rl_step, rollout_speedup): a job config from a TOML of
-train_configs/ plus overrides, and a job built and warm-started by the library's own functions
+"""The job side of the RL drivers (rl_step, rollout_speedup, memory_table): a job config from a TOML of
+train_configs/ plus overrides, and a job built (and warm-started) by the library's own functions
 (titan_draft.job.build_job + warm_start), exactly as train.py starts one."""
 import os
 
@@ -40,6 +40,16 @@ def job_config(config_file: str, overrides: list[str]):
     return cfg
 
 
+def new_job(cfg, dump_folder: str) -> tuple[Job, DraftOptimizer]:
+    """(job, draft optimizer) of `cfg` in one process, as train.py builds them (initial weights: random
+    unless the config loads some), logging to `dump_folder`."""
+    plan = build_plan(cfg, 1)
+    if not dist.is_initialized():  # train.py's group of one: FSDP's one-rank mesh under bf16 needs it
+        init_process_group(cfg)
+    job = build_job(cfg, MetricsLogger(dump_folder, tensorboard=False), plan=plan, dims=build_parallel_dims(plan))
+    return job, DraftOptimizer(job.draft, cfg.draft)
+
+
 def warm_started_job(cfg, dump_folder: str, saved: str | None = None) -> tuple[Job, DraftOptimizer, float]:
     """(job, draft optimizer, seconds of the warm start): the job's SFT and draft warm-up, logging to
     `dump_folder`. The draft always warms up ([draft] mode none would skip it): the drivers compare
@@ -48,11 +58,7 @@ def warm_started_job(cfg, dump_folder: str, saved: str | None = None) -> tuple[J
     saved: a folder holding a warm start of this config (loaded: 0 seconds) or where this one is written
     (a GPU's minutes of SFT, reused by later runs)."""
     cfg.draft.mode = "cotrain"
-    plan = build_plan(cfg, 1)
-    if not dist.is_initialized():  # train.py's group of one: FSDP's one-rank mesh under bf16 needs it
-        init_process_group(cfg)
-    job = build_job(cfg, MetricsLogger(dump_folder, tensorboard=False), plan=plan, dims=build_parallel_dims(plan))
-    draft_opt = DraftOptimizer(job.draft, cfg.draft)
+    job, draft_opt = new_job(cfg, dump_folder)
     path = saved and os.path.join(saved, WARM_START_FILE)
     if path and os.path.isfile(path):
         load_warm_start(path, job, draft_opt)

@@ -5,12 +5,15 @@ write the JSON their README tables are made from:
 (b) bench.rollout_speedup --preset smoke: plain, every fixed K and adaptive K per batch size;
 (c) bench.branch_attention on CPU: the row fields of bench/results/branch_attention_h200.json;
 (d) bench.linear_logprobs --device cpu --tiny: dense, chunked and (CUDA only) liger side by side;
-(e) bench.decode_step --preset smoke: plain, verify and whole decode-step costs per batch size.
+(e) bench.decode_step --preset smoke: plain, verify and whole decode-step costs per batch size;
+(f) bench.memory_table: its search on a fake fits rule, and the tiny preset's probes end to end.
 """
 import json
 import os
 import subprocess
 import sys
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -136,3 +139,80 @@ def test_linear_logprobs_bench_tiny(tmp_path):
         assert row["grad_err"] == 0 if row["variant"] == "chunk_32" else row["grad_err"] > 0
     dense = {row["rows"]: row["ms"] for row in report["rows"] if row["variant"] == "dense"}
     assert all(row["dense_over"] == dense[row["rows"]] / row["ms"] for row in report["rows"])
+
+
+def test_memory_table_search_doubles_then_bisects():
+    from bench.memory_table import most_prompts
+
+    def search(limit: int, start: int, cap: int) -> tuple[int, list[int]]:
+        probed = []
+
+        def fits(prompts: int) -> bool:
+            probed.append(prompts)
+            return prompts <= limit
+
+        return most_prompts(fits, start, cap), probed
+
+    assert search(75, 8, 512) == (75, [8, 16, 32, 64, 128, 96, 80, 72, 76, 74, 75])  # up, then bisection
+    assert search(5, 64, 512) == (5, [64, 32, 16, 8, 4, 6, 5])  # down, then bisection
+    assert search(1000, 8, 100) == (100, [8, 16, 32, 64, 100])  # the cap
+    assert search(1000, 64, 10) == (10, [10])  # a start past the cap
+    assert search(0, 8, 512) == (0, [8, 4, 2, 1])  # nothing fits
+    for limit in range(0, 20):  # every case: the right answer, no probe twice, at most ~2 log2(cap) probes
+        for start in range(1, 20):
+            for cap in range(1, 20):
+                found, probed = search(limit, start, cap)
+                assert found == min(limit, cap) and len(set(probed)) == len(probed) <= 10
+
+
+def test_memory_table_knows_out_of_memory_raised_inside_another_error():
+    from bench.memory_table import out_of_memory
+
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("the capture failed")  # as a CUDA graph capture's exit would
+    except RuntimeError as err:
+        assert out_of_memory(err)
+    assert not out_of_memory(RuntimeError("a bug")) and not out_of_memory(None)
+
+
+def test_memory_table_rollout_phase_holds_full_length_rows_as_release_caches_says(tmp_path):
+    from bench.memory_table import PRESETS, REPO_ROOT, ProbeSettings, Prober, rollout_phase
+
+    tiny = PRESETS["tiny"]
+    for release in (True, False):
+        lever = [] if release else ["--rollout.no-release-caches"]
+        overrides = [*tiny["overrides"], "--draft.mode", "cotrain", *lever]
+        prober = Prober(ProbeSettings(os.path.join(REPO_ROOT, tiny["config"]), tuple(overrides), str(tmp_path),
+                                      max_prompts=2))
+        rollouts, engine = prober.rollouts(2), prober.state.engine
+        assert (rollouts.response_lengths == prober.budget).all()  # every answer at the whole budget
+        rollout_phase(prober.state, rollouts.prompts, prober.budget)
+        if release:
+            assert engine.cache_bytes == 0
+        else:  # kept for training: 8 rows of the longest prompt + the budget + a verify window (as generate sizes them)
+            assert engine.buffer_rows == 8 and engine.slots >= rollouts.tokens.shape[1] + engine.max_k + 1
+
+
+def test_memory_table_tiny_probes_end_to_end(tmp_path):
+    out = tmp_path / "memory_table.json"
+    # all_off turns every lever off at once; 18 rollouts cap the search at 4 prompts of 4 (whole groups).
+    args = ("--preset", "tiny", "--levers", "all_on", "all_off", "--max-rollouts", "18", "--out", str(out))
+    run_bench("bench.memory_table", *args)
+    report = json.loads(out.read_text())
+    assert report["environment"]["device"] == "cpu" and report["limit_gib"] is None
+    assert report["draft_mode"] == "cotrain" and report["group_size"] == 4
+    assert list(report["table"]) == ["all_on", "all_off"]
+    assert report["table"]["all_off"]["levers_off"] == ["logprob_chunk_size", "max_tokens_per_microbatch",
+                                                        "activation_checkpoint", "release_caches"]
+    for name, row in report["table"].items():
+        assert (row["max_rollouts"], row["max_prompts"], row["capped"], row["probes"]) == (16, 4, True, 1)
+        (probe,) = report["probes"][name]
+        assert (probe["prompts"], probe["rollouts"], probe["fits"], probe["oom"]) == (4, 16, True, None)
+        assert 0 < probe["tokens_per_rollout"] <= 16 and probe["seconds"] > 0  # training.seq_len = 16
+        for key in ("peak_gib_rollout", "reserved_gib_rollout", "peak_gib_train", "reserved_gib_train"):
+            assert row[key] is None and probe[key] is None  # no memory statistics off CUDA
+    run_bench("bench.memory_table", *args, "--resume")  # every probe is in the file: none is made again
+    assert json.loads(out.read_text()) == report

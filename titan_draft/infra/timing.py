@@ -68,11 +68,13 @@ class DeviceTimer:
 
 class PhasePeak:
     """The most device memory allocated during a `with` block (a phase of the step), in GiB: torch.cuda's
-    peak statistic, reset on entry. Only CUDA devices keep one: elsewhere `gib` stays None."""
+    peak statistic, reset on entry. `reserved_gib`: the most the caching allocator held meanwhile, which
+    also counts memory no live tensor uses (CUDA graphs' private pools between their captures, cached free
+    blocks, fragmentation). Only CUDA devices keep them: elsewhere both stay None."""
 
     def __init__(self, device: torch.device):
         self.on_cuda = torch.device(device).type == "cuda"
-        self.gib = None
+        self.gib = self.reserved_gib = None
 
     def __enter__(self):
         if self.on_cuda:
@@ -82,3 +84,4 @@ class PhasePeak:
     def __exit__(self, *exc):
         if self.on_cuda:
             self.gib = torch.cuda.max_memory_allocated() / 2**30
+            self.reserved_gib = torch.cuda.max_memory_reserved() / 2**30
