@@ -237,7 +237,7 @@ def test_greedy_speculative_equals_plain_greedy(mode):
 
 def test_perfect_draft_accepts_everything():
     """A draft that proposes exactly the policy's greedy tokens is accepted K times per step."""
-    policy, _, engine = make()
+    policy, _, engine = make(draft_vocab=VOCAB)  # draft ids = target ids: every greedy token is proposable
     gen = torch.Generator().manual_seed(4)
     prompts = torch.randint(4, VOCAB, (2, 5), generator=gen)
     K, N = 3, 17
@@ -248,8 +248,7 @@ def test_perfect_draft_accepts_everything():
         # t_k must be the token at position anchor + 1 + k of the greedy sequence.
         pos = (anchor[:, None] + 2 + torch.arange(K, device=DEVICE)).clamp(max=target.shape[1] - 1)
         tokens = target[torch.arange(len(anchor), device=DEVICE)[:, None], pos]
-        probs = torch.zeros(*tokens.shape, VOCAB, dtype=torch.float64, device=DEVICE)
-        return tokens, probs.scatter_(-1, tokens[..., None], 1.0)
+        return tokens, F.one_hot(tokens, VOCAB).double()  # draft ids and logits
 
     engine._propose = oracle
     out = engine.generate(prompts, N, num_speculative_tokens=K, temperature=0, eos_id=NEVER)
