@@ -7,7 +7,8 @@ the decode step, compaction. Its parts, one idea per file of titan_draft/rollout
 - graphs.py: CUDA-graph capture and replay of the engine's calls, per key (`StepGraphs`);
 - goodput.py: adaptive K (`GoodputController`) and step timing;
 - weights.py: refreshing the inference copies from the trained modules (`load_weights`);
-- sampling.py: distributions, sampling and the acceptance rule.
+- sampling.py: sampling and the acceptance rule from logits (what the steps run), beside their
+  dense reference on probabilities over the vocabulary.
 
 Bookkeeping, per row b of the batch (prompt length p_b; cache slot = RoPE position = token column):
 - `lengths[b]` tokens are known; the last one, at position n = lengths[b] - 1, is not yet in the
@@ -57,7 +58,9 @@ temperature, top-p, ...) into a CUDA graph and replayed (graphs.py); elsewhere i
 Both run the same code. The loop reads one small status vector per step (`StepStatus`: running
 rows, the longest row, staged steps, counters). Attention reads only the live part of the caches:
 each row's slots on CUDA (ops/decode_attention.py), the first `cache_width` slots elsewhere and in
-prefill (cached_model.py); on CUDA the policy's blocks are compiled (`EngineOptions.compile`). Adaptive K times every step shape of a new batch size once,
+prefill (cached_model.py); on CUDA the policy's blocks are compiled (`EngineOptions.compile`).
+Sampling and acceptance start from the logits: float32 work over the target vocabulary is one
+position per row (sampling.py). Adaptive K times every step shape of a new batch size once,
 before that call's prefill (`measure_steps`), so rollouts do not explore (docs/DESIGN.md 4.4).
 """
 import time

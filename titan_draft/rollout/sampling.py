@@ -5,8 +5,8 @@ Two implementations of the same draws, side by side:
   `speculative_accept`;
 - what the engine runs, from logits: `sample_from_logits`, `speculative_accept_from_logits`. The
   acceptance rule needs the target's and the draft's probabilities only at the drafted tokens
-  (`log_probs_at`: one log-normaliser per position) and one full distribution per row, where the
-  chain stops; the draft's stays in its own vocabulary but at that one position.
+  (`log_probs_at`: one log-normaliser per position) and in full at one position per row, where the
+  chain stops; only there is the draft's distribution scattered into the target vocabulary.
 Both draw the same random numbers in the same order from the same generator (or RowNoise), so they
 emit the same tokens up to rounding (tests/test_sampling_from_logits.py compares them in float64).
 
@@ -106,13 +106,13 @@ def sample(probs: torch.Tensor, rng: torch.Generator | RowNoise | None = None) -
     return (probs.to(dtype) / _race(tuple(probs.shape), dtype, probs.device, rng)).argmax(-1)
 
 
-def _chain_shape(draft_tokens: torch.Tensor) -> tuple[int, int]:
-    """(B, K) of a chain of draft tokens [B, K], K >= 1."""
-    if draft_tokens.dim() != 2:
-        raise ValueError(f"draft_tokens must be [B, K], got shape {tuple(draft_tokens.shape)}")
-    B, K = draft_tokens.shape
+def _chain_shape(drafts: torch.Tensor, name: str) -> tuple[int, int]:
+    """(B, K) of a chain of draft tokens [B, K] (the argument `name`), K >= 1."""
+    if drafts.dim() != 2:
+        raise ValueError(f"{name} must be [B, K], got shape {tuple(drafts.shape)}")
+    B, K = drafts.shape
     if K < 1:
-        raise ValueError("draft_tokens: K = 0 draft tokens; speculative acceptance needs K >= 1 "
+        raise ValueError(f"{name}: K = 0 draft tokens; speculative acceptance needs K >= 1 "
                          "(sample the target directly when there is no draft)")
     return B, K
 
@@ -154,7 +154,7 @@ def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, ta
     Draft k is accepted with probability min(1, p/q); the first rejection emits a sample of
     norm(max(0, p - q)); when all K are accepted the bonus comes from target_probs[:, K].
     """
-    B, K = _chain_shape(draft_tokens)
+    B, K = _chain_shape(draft_tokens, "draft_tokens")
     if draft_probs.dim() != 3 or draft_probs.shape[:2] != (B, K):
         raise ValueError(f"draft_probs must be [B, K, V] = [{B}, {K}, V], got {tuple(draft_probs.shape)}")
     V = draft_probs.shape[2]
@@ -236,7 +236,7 @@ def speculative_accept_from_logits(draft_ids: torch.Tensor, draft_logits: torch.
     Temperature 0: a draft is accepted iff it is the target's argmax, and the argmax is emitted at
     the stop position (what the reference's one-hot distributions give); nothing is drawn.
     """
-    B, K = _chain_shape(draft_ids)
+    B, K = _chain_shape(draft_ids, "draft_ids")
     if draft_logits.dim() != 3 or draft_logits.shape[:2] != (B, K):
         raise ValueError(f"draft_logits must be [B, K, V_draft] = [{B}, {K}, V_draft], "
                          f"got {tuple(draft_logits.shape)}")
@@ -247,10 +247,10 @@ def speculative_accept_from_logits(draft_ids: torch.Tensor, draft_logits: torch.
     check_sampling_args(temperature, top_p)
 
     tokens = target_ids[draft_ids]
-    position = torch.arange(K + 1, device=tokens.device)
     if temperature == 0:
         greedy = target_logits.argmax(-1)
         num_accepted = (tokens == greedy[:, :K]).long().cumprod(-1).sum(-1)
+        position = torch.arange(K + 1, device=tokens.device)
         return num_accepted, greedy.masked_fill(position > num_accepted[:, None], -1)
 
     p = _probs_at(target_logits[:, :K], tokens, temperature, top_p, log_probs_fn)
