@@ -36,7 +36,7 @@ from titan_draft.parallel.parallelize import compute_dtype
 from titan_draft.plan import build_plan
 from titan_draft.rollout import EngineOptions, RolloutEngine
 from titan_draft.rollout.cached_model import cache_width
-from titan_draft.rollout.sampling import probs_from_logits, sample, speculative_accept
+from titan_draft.rollout.sampling import sample_from_logits
 
 PRESETS = {
     "qwen3_1.7b": dict(config="train_configs/qwen3_1.7b_arith_tail.toml", batch_sizes=[1, 16, 128]),
@@ -107,22 +107,21 @@ def plain_step_bytes(engine: RolloutEngine, batch: int, context: int) -> int:
 def target_step(engine: RolloutEngine, batch: int, k: int, *, context: int, temperature: float):
     """The target's work of a step with k drafts, as the engine's step runs it (no host sync), as a
     `captured` call: the policy's forward of k + 1 positions after `context` cached ones, then
-    sampling (k = 0) or the acceptance rule against fixed draft proposals."""
-    device, vocab = engine.device, engine.policy.output.out_features
+    sampling (k = 0) or the acceptance rule (top-p 1) against fixed proposals of a uniform draft."""
+    device = engine.device
     tokens = torch.zeros(batch, k + 1, dtype=torch.long, device=device)
     positions = torch.arange(k + 1, device=device) + context - 1
     positions = positions.expand(batch, -1)
     width = cache_width(engine.slots, context + engine.max_k)
-    draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=device)
-    draft_probs = torch.full((batch, k, vocab), 1 / vocab, device=device)
+    draft_ids = torch.zeros(batch, k, dtype=torch.long, device=device)
+    draft_logits = torch.zeros(batch, k, len(engine._target_ids), dtype=engine.dtype, device=device)
 
     def call():
         logits, _, _ = engine.model.policy_forward(tokens, positions, width)
-        probs = probs_from_logits(logits, temperature)
         if k:
-            speculative_accept(draft_tokens, draft_probs, probs, engine._rng)
+            engine._accept(draft_ids, draft_logits, logits, temperature=temperature, top_p=1.0, noise=engine._rng)
         else:
-            sample(probs, engine._rng)
+            sample_from_logits(logits, temperature, top_p=1.0, rng=engine._rng)
     return captured(engine, ("target", batch, k, context, temperature), call)
 
 

@@ -4,6 +4,8 @@ policy's exact distribution of the first response tokens; and its goodput contro
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from titan_draft.data.packing import pack
 from titan_draft.infra import _compat
@@ -240,7 +242,7 @@ def test_greedy_speculative_equals_plain_greedy(mode):
 
 def test_perfect_draft_accepts_everything():
     """A draft that proposes exactly the policy's greedy tokens is accepted K times per step."""
-    policy, _, engine = make()
+    policy, _, engine = make(draft_vocab=VOCAB)  # draft ids = target ids: every greedy token is proposable
     gen = torch.Generator().manual_seed(4)
     prompts = torch.randint(4, VOCAB, (2, 5), generator=gen)
     K, N = 3, 17
@@ -251,14 +253,42 @@ def test_perfect_draft_accepts_everything():
         # t_k must be the token at position anchor + 1 + k of the greedy sequence.
         pos = (anchor[:, None] + 2 + torch.arange(K, device=DEVICE)).clamp(max=target.shape[1] - 1)
         tokens = target[torch.arange(len(anchor), device=DEVICE)[:, None], pos]
-        probs = torch.zeros(*tokens.shape, VOCAB, dtype=torch.float64, device=DEVICE)
-        return tokens, probs.scatter_(-1, tokens[..., None], 1.0)
+        return tokens, F.one_hot(tokens, VOCAB).double()  # draft ids and logits
 
     engine._propose = oracle
     out = engine.generate(prompts, N, num_speculative_tokens=K, temperature=0, eos_id=NEVER)
     assert torch.equal(out.tokens, plain.tokens)
     assert out.num_decode_steps == (N - 1 + K) // (K + 1)
     assert torch.equal(out.per_position_acceptance[:2], torch.ones(2))
+
+
+class FloatShapes(TorchDispatchMode):
+    """Records the shape of every float32 tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in tree_leaves(out)
+                        if isinstance(t, torch.Tensor) and t.dtype == torch.float32]
+        return out
+
+
+def test_decode_steps_make_no_float32_tensor_over_several_positions_of_the_vocabulary():
+    """A bfloat16 engine's decode steps at top-p 1: every float32 tensor over the target vocabulary
+    holds at most one position per row ([B, V]: the race of a plain step, the stop position's
+    distributions); the reference made [B, K+1, V] target and [B, K, V] draft probabilities. Eager
+    steps: a graph replay would run no op through the recorder."""
+    _, _, engine = make(dtype=torch.bfloat16, compact=False, cuda_graphs=False)
+    prompts = variable_prompts([5, 3, 6], seed=3)
+    with FloatShapes() as recorded:
+        out = engine.generate(prompts, 6, num_speculative_tokens=3, temperature=1.0, eos_id=NEVER,
+                              generator=torch.Generator().manual_seed(0))
+    assert out.num_decode_steps > 0 and out.num_draft_tokens > 0
+    over_vocab = [shape for shape in recorded.shapes if shape[-1:] == (VOCAB,)]
+    assert over_vocab and all(torch.Size(shape[:-1]).numel() <= len(prompts) for shape in over_vocab), over_vocab
 
 
 @pytest.mark.parametrize("schedule", [None, [3, 0, 0, 0, 0, 0, 2, 0, 1]], ids=["K3", "K_schedule"])

@@ -7,7 +7,8 @@ the decode step, compaction. Its parts, one idea per file of titan_draft/rollout
 - graphs.py: CUDA-graph capture and replay of the engine's calls, per key (`StepGraphs`);
 - goodput.py: adaptive K (`GoodputController`) and step timing;
 - weights.py: refreshing the inference copies from the trained modules (`load_weights`);
-- sampling.py: distributions, sampling and the acceptance rule.
+- sampling.py: sampling and the acceptance rule from logits (what the steps run), beside their
+  dense reference on probabilities over the vocabulary.
 
 Bookkeeping, per row b of the batch (prompt length p_b; cache slot = RoPE position = token column):
 - `lengths[b]` tokens are known; the last one, at position n = lengths[b] - 1, is not yet in the
@@ -58,7 +59,9 @@ temperature, top-p, ...) into a CUDA graph and replayed (graphs.py); elsewhere i
 Both run the same code. The loop reads one small status vector per step (`StepStatus`: running
 rows, the longest row, staged steps, counters). Attention reads only the live part of the caches:
 each row's slots on CUDA (ops/decode_attention.py), the first `cache_width` slots elsewhere and in
-prefill (cached_model.py); on CUDA the policy's blocks are compiled (`EngineOptions.compile`). Adaptive K times every step shape of a new batch size once,
+prefill (cached_model.py); on CUDA the policy's blocks are compiled (`EngineOptions.compile`).
+Sampling and acceptance start from the logits: float32 work over the target vocabulary is one
+position per row (sampling.py). Adaptive K times every step shape of a new batch size once,
 before that call's prefill (`measure_steps`), so rollouts do not explore (docs/DESIGN.md 4.4).
 """
 import time
@@ -75,8 +78,8 @@ from titan_draft.models.draft import DraftArgs
 from titan_draft.rollout.cached_model import CachedModels, cache_width
 from titan_draft.rollout.goodput import GoodputController
 from titan_draft.rollout.graphs import StepGraphs
-from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, probs_from_logits, sample,
-                                         speculative_accept)
+from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, log_probs_at, sample_from_logits,
+                                         speculative_accept_from_logits)
 from titan_draft.rollout.weights import copy_weights
 
 # Counters at the head of the engine's status vector: StepStatus's scalar fields.
@@ -183,8 +186,9 @@ class EngineOptions:
     """A RolloutEngine's draft capacity and speed switches (the defaults suit training rollouts).
 
     max_speculative_tokens: the most drafts a step may propose (sizes caches and buffers).
-    compile: torch.compile the policy's block forward and the draft's forwards (on CUDA devices; ignored
-    elsewhere). The first calls of each new step shape then take seconds to compile.
+    compile: torch.compile the policy's block forward, the draft's forwards and the acceptance rule's
+    log-normaliser (`log_probs_at`) (on CUDA devices; ignored elsewhere). The first calls of each
+    new step shape then take seconds to compile.
     cuda_graphs: replay prefill and decode steps as CUDA graphs (on CUDA devices; ignored elsewhere).
     compact: move the running rows to the front of the state when they fit a smaller bucket.
     min_bucket: the fewest slots a compacted batch runs in. Below ~16 rows a step costs about the
@@ -229,8 +233,10 @@ class RolloutEngine:
         self.buffer_rows = self.slots = 0  # the state buffers' rows and cache slots (none yet)
 
         self._draft_extend, self._draft_pass = self.model.draft_extend, self.model.draft_pass
-        if compile:
-            self._draft_extend, self._draft_pass = map(torch.compile, (self._draft_extend, self._draft_pass))
+        self._log_probs_at = log_probs_at
+        if compile:  # log_probs_at compiled: one fused read of the logits instead of an upcast copy per position
+            self._draft_extend, self._draft_pass, self._log_probs_at = map(
+                torch.compile, (self._draft_extend, self._draft_pass, self._log_probs_at))
 
     # The cached models' modules and KV caches, by the names callers read.
     policy, draft = property(attrgetter("model.policy")), property(attrgetter("model.draft"))
@@ -341,18 +347,22 @@ class RolloutEngine:
 
     # --- generation ----------------------------------------------------------------------------------
     def _propose(self, hidden, anchor, K, temperature, top_p, noise, width):
-        """K chained draft tokens [B, K] and their distributions [B, K, V] (target vocabulary, 0
-        outside the draft's) from pass 1's hidden; random numbers from noise (a RowNoise)."""
-        tokens, probs = [], []
+        """K chained draft tokens [B, K] in the draft's vocabulary and the draft's logits for each
+        [B, K, V_draft], from pass 1's hidden; random numbers from noise (a RowNoise)."""
+        ids, logits = [], []
         for k in range(1, K + 1):
             if k > 1:
-                hidden = self._draft_pass(k, self.policy.tok_embeddings(tokens[-1]), hidden, anchor, width)
-            probs.append(probs_from_logits(self.draft.logits(hidden), temperature, top_p))
-            tokens.append(self._target_ids[sample(probs[-1], noise)])
-        draft_probs = torch.stack(probs, 1)
-        target_probs = draft_probs.new_zeros(*draft_probs.shape[:2], self.policy.output.out_features)
-        target_probs[..., self._target_ids] = draft_probs
-        return torch.stack(tokens, 1), target_probs
+                emb = self.policy.tok_embeddings(self._target_ids[ids[-1]])
+                hidden = self._draft_pass(k, emb, hidden, anchor, width)
+            logits.append(self.draft.logits(hidden))
+            ids.append(sample_from_logits(logits[-1], temperature, top_p, noise))
+        return torch.stack(ids, 1), torch.stack(logits, 1)
+
+    def _accept(self, draft_ids, draft_logits, logits, temperature, top_p, noise):
+        """speculative_accept_from_logits with the engine's draft-to-target id map and log-normaliser."""
+        return speculative_accept_from_logits(draft_ids, draft_logits, logits, target_ids=self._target_ids,
+                                              temperature=temperature, top_p=top_p, rng=noise,
+                                              log_probs_fn=self._log_probs_at)
 
     def _prompt_batch(self, prompts, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompts right-padded with eos_id [B, max p_b] on the engine's device, p_b [B] on the host)."""
@@ -402,7 +412,7 @@ class RolloutEngine:
         rows = torch.arange(B, device=tokens.device)
         prompts = self._in_vocab(tokens[:, :P])
         logits, taps, _ = self.model.policy_forward(prompts, torch.arange(P, device=tokens.device).expand(B, P), width)
-        first = sample(probs_from_logits(logits[rows, lengths - 1], temperature, top_p), self._rng)
+        first = sample_from_logits(logits[rows, lengths - 1], temperature, top_p, self._rng)
         tokens[rows, lengths] = first
         lengths += 1
         done.copy_((first == self._eos) | (lengths >= self._limit[:B]))
@@ -430,15 +440,13 @@ class RolloutEngine:
         n = lengths - 1  # position of the last known token, the first one verified
         verify_in = tokens[rows, n][:, None]
         if K:
-            draft_tokens, draft_probs = self._propose(self._hidden[:B], n - 1, K, temperature, top_p, noise,
-                                                      shape.width)
-            verify_in = torch.cat([verify_in, draft_tokens], dim=1)
+            draft_ids, draft_logits = self._propose(self._hidden[:B], n - 1, K, temperature, top_p, noise, shape.width)
+            verify_in = torch.cat([verify_in, self._target_ids[draft_ids]], dim=1)
         logits, taps, _ = self.model.policy_forward(verify_in, n[:, None] + window, shape.width)
-        target_probs = probs_from_logits(logits, temperature, top_p)
         if K:
-            num_accepted, out = speculative_accept(draft_tokens, draft_probs, target_probs, noise)
+            num_accepted, out = self._accept(draft_ids, draft_logits, logits, temperature, top_p, noise)
         else:
-            num_accepted, out = torch.zeros_like(lengths), sample(target_probs, noise)
+            num_accepted, out = torch.zeros_like(lengths), sample_from_logits(logits, temperature, top_p, noise)
         emit = num_accepted + 1
         is_eos = (out == self._eos) & (window < emit[:, None])
         emit = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, emit)

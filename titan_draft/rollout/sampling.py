@@ -1,9 +1,22 @@
 """Sampling distributions and the lossless speculative acceptance rule (DESIGN.md section 4).
 
-Both the target's and the draft's distributions go through `probs_from_logits` with the same
-temperature and top-p, so the acceptance rule compares like with like; at temperature 0 both are
-one-hot and the rule reduces to exact greedy decoding.
+Two implementations of the same draws, side by side:
+- the dense reference, on probabilities over the whole vocabulary: `probs_from_logits`, `sample`,
+  `speculative_accept`;
+- what the engine runs, from logits: `sample_from_logits`, `speculative_accept_from_logits`. The
+  acceptance rule needs the target's and the draft's probabilities only at the drafted tokens
+  (`log_probs_at`: one log-normaliser per position) and in full at one position per row, where the
+  chain stops; only there is the draft's distribution scattered into the target vocabulary.
+Both draw the same random numbers in the same order from the same generator (or RowNoise), so they
+emit the same tokens up to rounding (tests/test_sampling_from_logits.py compares them in float64).
+
+Probabilities are float32 (float64 for float64 logits); the random draws are float32 whatever the
+logits' dtype. The target's and the draft's distributions use the same temperature and top-p, so
+the acceptance rule compares like with like; at temperature 0 both are one-hot and the rule
+reduces to exact greedy decoding.
 """
+from typing import Callable
+
 import torch
 
 
@@ -44,17 +57,34 @@ def check_sampling_args(temperature: float, top_p: float) -> None:
         raise ValueError(f"top_p: {top_p} must be in (0, 1]")
 
 
+def _prob_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sampling computes in for logits of `dtype`: float32, float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _race(shape: tuple, dtype: torch.dtype, device, rng) -> torch.Tensor:
+    """E ~ Exp(1) i.i.d. of `shape`, drawn in float32 (the same generator stream whatever dtype the
+    caller computes in), as `dtype`, clamped away from 0 (exponential_ may round to 0: 0 / 0, or
+    log 0 against a -inf logit, would yield a NaN that argmax picks)."""
+    race = _noise(rng).exponential(shape, torch.float32, device).to(dtype)
+    return race.clamp_min_(torch.finfo(dtype).tiny)
+
+
+# --- the dense reference: probabilities over the whole vocabulary ------------------------------------
+
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """float32 probabilities over the last dim; temperature 0 = one-hot at the argmax.
+    """Probabilities over the last dim (float32, float64 for float64 logits); temperature 0 = one-hot
+    at the argmax.
 
     top_p keeps the smallest set of most likely tokens whose mass reaches top_p (always at least
     the most likely one) and renormalises.
     """
     check_sampling_args(temperature, top_p)
+    dtype = _prob_dtype(logits.dtype)
     if temperature == 0:
-        probs = torch.zeros_like(logits, dtype=torch.float32)
+        probs = torch.zeros_like(logits, dtype=dtype)
         return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs = torch.softmax(logits.to(dtype) / temperature, dim=-1)
     if top_p < 1:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
@@ -72,10 +102,45 @@ def sample(probs: torch.Tensor, rng: torch.Generator | RowNoise | None = None) -
     p_v / sum(p) (E_v / p_v ~ Exp(p_v); the smallest wins). Unlike torch.multinomial it never
     synchronises with the host, so a CUDA graph can capture it.
     """
-    dtype = torch.promote_types(probs.dtype, torch.float32)
-    race = _noise(rng).exponential(tuple(probs.shape), dtype, probs.device)
-    # exponential_ may round to 0: clamp so that 0 / 0 never yields a NaN that argmax would pick.
-    return (probs.to(dtype) / race.clamp_min(torch.finfo(dtype).tiny)).argmax(-1)
+    dtype = _prob_dtype(probs.dtype)
+    return (probs.to(dtype) / _race(tuple(probs.shape), dtype, probs.device, rng)).argmax(-1)
+
+
+def _chain_shape(drafts: torch.Tensor, name: str) -> tuple[int, int]:
+    """(B, K) of a chain of draft tokens [B, K] (the argument `name`), K >= 1."""
+    if drafts.dim() != 2:
+        raise ValueError(f"{name} must be [B, K], got shape {tuple(drafts.shape)}")
+    B, K = drafts.shape
+    if K < 1:
+        raise ValueError(f"{name}: K = 0 draft tokens; speculative acceptance needs K >= 1 "
+                         "(sample the target directly when there is no draft)")
+    return B, K
+
+
+def _count_accepted(p: torch.Tensor, q: torch.Tensor, rng) -> torch.Tensor:
+    """Leading accepted drafts [B] in 0..K, from p and q [B, K] at the drafted tokens: draft k is
+    accepted with probability min(1, p/q)."""
+    u = _noise(rng).uniform(tuple(p.shape), p.device)
+    accepted = u * q < p  # u < p / q without dividing; q > 0 for any token the draft sampled
+    return accepted.long().cumprod(-1).sum(-1)
+
+
+def _emit(tokens: torch.Tensor, num_accepted: torch.Tensor, p_stop: torch.Tensor, q_stop: torch.Tensor,
+          rng) -> torch.Tensor:
+    """The emitted window [B, K+1]: the accepted drafts of tokens [B, K], then a sample of
+    norm(max(0, p_stop - q_stop)) ([B, V]: target and draft at the stop position; q_stop is 0
+    past the last draft, which makes it the bonus distribution p_K), then -1."""
+    B, K = tokens.shape
+    residual = (p_stop - q_stop).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    # p == q everywhere makes a rejection impossible in exact arithmetic; keep rounding harmless.
+    residual = torch.where(mass > 0, residual, p_stop)
+    last = sample(residual, rng)
+    position = torch.arange(K + 1, device=tokens.device)
+    out = torch.cat([tokens, tokens.new_full((B, 1), -1)], dim=1)
+    out = torch.where(position < num_accepted[:, None], out, torch.full_like(out, -1))
+    out[torch.arange(B, device=tokens.device), num_accepted] = last
+    return out
 
 
 def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
@@ -89,38 +154,111 @@ def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, ta
     Draft k is accepted with probability min(1, p/q); the first rejection emits a sample of
     norm(max(0, p - q)); when all K are accepted the bonus comes from target_probs[:, K].
     """
-    if draft_tokens.dim() != 2:
-        raise ValueError(f"draft_tokens must be [B, K], got shape {tuple(draft_tokens.shape)}")
-    B, K = draft_tokens.shape
-    if K < 1:
-        raise ValueError("draft_tokens: K = 0 draft tokens; speculative_accept needs K >= 1 "
-                         "(sample target_probs directly when there is no draft)")
+    B, K = _chain_shape(draft_tokens, "draft_tokens")
     if draft_probs.dim() != 3 or draft_probs.shape[:2] != (B, K):
         raise ValueError(f"draft_probs must be [B, K, V] = [{B}, {K}, V], got {tuple(draft_probs.shape)}")
     V = draft_probs.shape[2]
     if tuple(target_probs.shape) != (B, K + 1, V):
         raise ValueError(f"target_probs must be [B, K+1, V] = [{B}, {K + 1}, {V}], got {tuple(target_probs.shape)}")
 
+    dtype = _prob_dtype(torch.promote_types(draft_probs.dtype, target_probs.dtype))
     tokens = draft_tokens.long()
-    p = target_probs[:, :K].gather(-1, tokens[..., None])[..., 0].float()
-    q = draft_probs.gather(-1, tokens[..., None])[..., 0].float()
-    u = _noise(rng).uniform((B, K), p.device)
-    accepted = u * q < p  # u < p / q without dividing; q > 0 for any token the draft sampled
-    num_accepted = accepted.long().cumprod(-1).sum(-1)
-
-    # Where the chain stops, emit from norm(max(0, p - q)); past the last draft q is 0, so the
-    # same formula gives the bonus distribution p_K.
+    p = target_probs[:, :K].gather(-1, tokens[..., None])[..., 0].to(dtype)
+    q = draft_probs.gather(-1, tokens[..., None])[..., 0].to(dtype)
+    num_accepted = _count_accepted(p, q, rng)
     rows = torch.arange(B, device=tokens.device)
-    p_stop = target_probs[rows, num_accepted].float()
-    q_stop = torch.where((num_accepted < K)[:, None], draft_probs[rows, num_accepted.clamp(max=K - 1)], 0).float()
-    residual = (p_stop - q_stop).clamp(min=0)
-    mass = residual.sum(-1, keepdim=True)
-    # p == q everywhere makes a rejection impossible in exact arithmetic; keep rounding harmless.
-    residual = torch.where(mass > 0, residual, p_stop)
-    last = sample(residual, rng)
+    p_stop = target_probs[rows, num_accepted].to(dtype)
+    q_stop = torch.where((num_accepted < K)[:, None], draft_probs[rows, num_accepted.clamp(max=K - 1)], 0).to(dtype)
+    return num_accepted, _emit(tokens, num_accepted, p_stop, q_stop, rng)
 
-    position = torch.arange(K + 1, device=tokens.device)
-    out = torch.cat([tokens, tokens.new_full((B, 1), -1)], dim=1)
-    out = torch.where(position < num_accepted[:, None], out, torch.full_like(out, -1))
-    out[rows, num_accepted] = last
-    return num_accepted, out
+
+# --- from logits: what the engine runs -------------------------------------------------------------
+
+def log_probs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) at ids: logits [B, S, V], ids [B, S] -> [B, S] (float32, float64 for
+    float64 logits); temperature > 0.
+
+    One log-normaliser per position, logsumexp(logits / T). It is reduced one position at a time, so
+    the upcast copy eager PyTorch makes is [B, V], never [B, S, V]; under torch.compile (the engine's
+    `compile` option) the upcast, scaling and reduction fuse into one read of the logits.
+    """
+    dtype = _prob_dtype(logits.dtype)
+    picked = logits.gather(-1, ids[..., None])[..., 0].to(dtype) / temperature
+    normaliser = [torch.logsumexp(logits[:, s].to(dtype) / temperature, dim=-1) for s in range(logits.shape[1])]
+    return picked - torch.stack(normaliser, dim=1)
+
+
+LogProbsFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _probs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float, top_p: float,
+              log_probs_fn: LogProbsFn) -> torch.Tensor:
+    """The sampling distribution (T > 0, top-p) of logits [B, S, V] at ids [B, S] -> [B, S]."""
+    if top_p < 1:  # the nucleus is a cut of the sorted, normalised distribution: the exact path
+        return probs_from_logits(logits, temperature, top_p).gather(-1, ids[..., None])[..., 0]
+    return log_probs_fn(logits, ids, temperature).exp()
+
+
+def sample_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+                       rng: torch.Generator | RowNoise | None = None) -> torch.Tensor:
+    """`sample(probs_from_logits(logits, temperature, top_p), rng)` without the probabilities:
+    one token id per row of logits [B, ..., V], from the same random numbers.
+
+    The exponential race in log space: argmax_v p_v / E_v = argmax_v (logit_v / T - log E_v), the
+    log-normaliser being the same for every v of a row. Temperature 0 is the argmax and draws
+    nothing (the reference's draws cannot change a one-hot's winner).
+    """
+    check_sampling_args(temperature, top_p)
+    if temperature == 0:
+        return logits.argmax(-1)
+    if top_p < 1:  # the nucleus is a cut of the sorted, normalised distribution: the exact path
+        return sample(probs_from_logits(logits, temperature, top_p), rng)
+    dtype = _prob_dtype(logits.dtype)
+    race = _race(tuple(logits.shape), dtype, logits.device, rng)
+    return (logits.to(dtype) / temperature).sub_(race.log_()).argmax(-1)
+
+
+def speculative_accept_from_logits(draft_ids: torch.Tensor, draft_logits: torch.Tensor,
+                                   target_logits: torch.Tensor, *, target_ids: torch.Tensor, temperature: float,
+                                   top_p: float = 1.0, rng: torch.Generator | RowNoise | None = None,
+                                   log_probs_fn: LogProbsFn = log_probs_at) -> tuple[torch.Tensor, torch.Tensor]:
+    """`speculative_accept` from logits, with the draft in its own vocabulary: the same rule, the
+    same random numbers (the uniforms of the accept tests, then the residual's race), the same
+    outputs.
+
+    draft_ids int64 [B, K] in the draft's vocabulary (V_d ids), sampled from draft_logits
+    [B, K, V_d]; target_ids int64 [V_d]: the target id of each draft id (distinct);
+    target_logits [B, K+1, V]. Returns num_accepted int64 [B] and tokens int64 [B, K+1] in target
+    ids, as speculative_accept does.
+    p and q are needed at the K drafted tokens only (log_probs_fn: `log_probs_at` or a compiled
+    copy of it), and in full at the one position per row where the chain stops: there the
+    residual norm(max(0, p - q)) is formed, with q scattered into the target vocabulary.
+    Temperature 0: a draft is accepted iff it is the target's argmax, and the argmax is emitted at
+    the stop position (what the reference's one-hot distributions give); nothing is drawn.
+    """
+    B, K = _chain_shape(draft_ids, "draft_ids")
+    if draft_logits.dim() != 3 or draft_logits.shape[:2] != (B, K):
+        raise ValueError(f"draft_logits must be [B, K, V_draft] = [{B}, {K}, V_draft], "
+                         f"got {tuple(draft_logits.shape)}")
+    if tuple(target_ids.shape) != draft_logits.shape[2:]:
+        raise ValueError(f"target_ids must be [V_draft] = [{draft_logits.shape[2]}], got {tuple(target_ids.shape)}")
+    if target_logits.dim() != 3 or target_logits.shape[:2] != (B, K + 1):
+        raise ValueError(f"target_logits must be [B, K+1, V] = [{B}, {K + 1}, V], got {tuple(target_logits.shape)}")
+    check_sampling_args(temperature, top_p)
+
+    tokens = target_ids[draft_ids]
+    if temperature == 0:
+        greedy = target_logits.argmax(-1)
+        num_accepted = (tokens == greedy[:, :K]).long().cumprod(-1).sum(-1)
+        position = torch.arange(K + 1, device=tokens.device)
+        return num_accepted, greedy.masked_fill(position > num_accepted[:, None], -1)
+
+    p = _probs_at(target_logits[:, :K], tokens, temperature, top_p, log_probs_fn)
+    q = _probs_at(draft_logits, draft_ids, temperature, top_p, log_probs_fn)
+    num_accepted = _count_accepted(p, q.to(p.dtype), rng)
+    rows = torch.arange(B, device=tokens.device)
+    p_stop = probs_from_logits(target_logits[rows, num_accepted], temperature, top_p)
+    q_draft = probs_from_logits(draft_logits[rows, num_accepted.clamp(max=K - 1)], temperature, top_p)
+    q_draft = q_draft.to(p_stop.dtype).masked_fill((num_accepted == K)[:, None], 0)  # no draft past the last
+    q_stop = torch.zeros_like(p_stop).index_copy_(-1, target_ids, q_draft)
+    return num_accepted, _emit(tokens, num_accepted, p_stop, q_stop, rng)

@@ -1,0 +1,114 @@
+"""Sampling and speculative acceptance from logits (what the engine runs) against the dense reference on
+probabilities over the whole vocabulary (probs_from_logits, sample, speculative_accept): in float64,
+from the same generator state, the same tokens and the same random numbers drawn."""
+import pytest
+import torch
+
+from titan_draft.rollout.sampling import (RowNoise, log_probs_at, probs_from_logits, sample, sample_from_logits,
+                                          speculative_accept, speculative_accept_from_logits)
+
+V, V_DRAFT, B = 40, 24, 48
+SETTINGS = [(0.0, 1.0), (0.7, 1.0), (1.0, 1.0), (1.0, 0.8), (0.7, 0.9)]  # (temperature, top_p)
+
+
+def noises(seed: int, rows: int):
+    """Two RowNoise objects on generators in the same state: a plain batch, or (odd seeds) the rows
+    that a compacted batch of rows + 3 still runs, in a shuffled slot order."""
+    slots = torch.randperm(rows + 3, generator=torch.Generator().manual_seed(seed))[:rows] if seed % 2 else None
+    return [RowNoise(torch.Generator().manual_seed(seed), rows + 3, slots) for _ in range(2)]
+
+
+def assert_same_draws(noise, ref_noise, temperature):
+    """At temperature > 0 both paths consumed the same random numbers; at 0 only the reference draws."""
+    if temperature > 0:
+        assert torch.equal(noise.generator.get_state(), ref_noise.generator.get_state())
+
+
+@pytest.mark.parametrize("temperature, top_p", SETTINGS)
+@pytest.mark.parametrize("shape", [(B, V), (B, 3, V)])
+def test_sample_from_logits_equals_the_reference(temperature, top_p, shape):
+    for seed in range(4):
+        logits = 3 * torch.randn(shape, generator=torch.Generator().manual_seed(100 + seed), dtype=torch.float64)
+        logits[..., 5] = -torch.inf  # a masked token is never drawn
+        noise, ref_noise = noises(seed, shape[0])
+        tokens = sample_from_logits(logits, temperature, top_p, noise)
+        ref = sample(probs_from_logits(logits, temperature, top_p), ref_noise)
+        assert torch.equal(tokens, ref)
+        assert (tokens != 5).all()
+        assert_same_draws(noise, ref_noise, temperature)
+
+
+def chain(K: int, temperature: float, top_p: float, seed: int):
+    """A draft over V_DRAFT of the V target ids (target_ids), its logits and sampled ids [B, K], and
+    target logits [B, K+1, V]: rows 0..7 make every draft the target's near-certain choice (all
+    accepted, then the bonus), rows 8..15 give the first draft probability 0 (rejected at once), the
+    other rows are random (partial chains)."""
+    gen = torch.Generator().manual_seed(seed)
+    target_ids = torch.randperm(V, generator=gen)[:V_DRAFT].sort().values
+    draft_logits = 2 * torch.randn(B, K, V_DRAFT, generator=gen, dtype=torch.float64)
+    draft_ids = sample(probs_from_logits(draft_logits, temperature, top_p), gen)
+    target_logits = 2 * torch.randn(B, K + 1, V, generator=gen, dtype=torch.float64)
+    # Random rows: target close to the draft where the draft is defined, so that chains run on.
+    target_logits[8:, :K, target_ids] += 2 * draft_logits[8:]
+    tokens = target_ids[draft_ids]
+    rows = torch.arange(8)[:, None]
+    target_logits[rows, torch.arange(K), tokens[:8]] = 50.0
+    target_logits[8:16, 0].scatter_(-1, tokens[8:16, :1], -torch.inf)
+    return target_ids, draft_ids, draft_logits, target_logits
+
+
+@pytest.mark.parametrize("temperature, top_p", SETTINGS)
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
+def test_speculative_accept_from_logits_equals_the_reference(K, temperature, top_p):
+    """The draft's vocabulary is a strict subset of the target's: the reference gets its
+    probabilities scattered into the target vocabulary, the new path its logits and the id map."""
+    counts = torch.zeros(K + 1, dtype=torch.long)
+    for seed in range(3):
+        target_ids, draft_ids, draft_logits, target_logits = chain(K, temperature, top_p, seed)
+        noise, ref_noise = noises(seed, B)
+        num_accepted, tokens = speculative_accept_from_logits(
+            draft_ids, draft_logits, target_logits, target_ids=target_ids, temperature=temperature, top_p=top_p,
+            rng=noise)
+        draft_probs = torch.zeros(B, K, V, dtype=torch.float64)
+        draft_probs[..., target_ids] = probs_from_logits(draft_logits, temperature, top_p)
+        ref_accepted, ref_tokens = speculative_accept(target_ids[draft_ids], draft_probs,
+                                                      probs_from_logits(target_logits, temperature, top_p), ref_noise)
+        assert torch.equal(num_accepted, ref_accepted)
+        assert torch.equal(tokens, ref_tokens)
+        assert_same_draws(noise, ref_noise, temperature)
+        assert (num_accepted[:8] == K).all() and (num_accepted[8:16] == 0).all()
+        counts += torch.bincount(num_accepted, minlength=K + 1)
+    if temperature > 0:  # the random rows stop at every position
+        assert (counts > 0).all(), counts
+
+
+def test_log_probs_at_equals_log_softmax():
+    gen = torch.Generator().manual_seed(7)
+    logits = 4 * torch.randn(5, 3, V, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, V, (5, 3), generator=gen)
+    for temperature in (0.6, 1.0):
+        ref = torch.log_softmax(logits / temperature, -1).gather(-1, ids[..., None])[..., 0]
+        torch.testing.assert_close(log_probs_at(logits, ids, temperature), ref, rtol=0, atol=1e-12)
+    # Reduced-precision logits are normalised in float32.
+    low = log_probs_at(logits.bfloat16(), ids, 0.6)
+    assert low.dtype == torch.float32
+    ref = torch.log_softmax(logits.bfloat16().float() / 0.6, -1).gather(-1, ids[..., None])[..., 0]
+    torch.testing.assert_close(low, ref, rtol=0, atol=1e-5)
+
+
+def test_bad_shapes_name_the_argument():
+    K = 2
+    target_ids = torch.arange(V_DRAFT)
+    ids = torch.zeros(B, K, dtype=torch.long)
+    draft_logits, target_logits = torch.zeros(B, K, V_DRAFT), torch.zeros(B, K + 1, V)
+    accept = speculative_accept_from_logits
+    with pytest.raises(ValueError, match="K >= 1"):
+        accept(ids[:, :0], draft_logits[:, :0], target_logits[:, :1], target_ids=target_ids, temperature=1.0)
+    with pytest.raises(ValueError, match="draft_logits"):
+        accept(ids, draft_logits[:, :1], target_logits, target_ids=target_ids, temperature=1.0)
+    with pytest.raises(ValueError, match="target_ids"):
+        accept(ids, draft_logits, target_logits, target_ids=target_ids[:-1], temperature=1.0)
+    with pytest.raises(ValueError, match="target_logits"):
+        accept(ids, draft_logits, target_logits[:, :K], target_ids=target_ids, temperature=1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        accept(ids, draft_logits, target_logits, target_ids=target_ids, temperature=-1.0)
