@@ -99,6 +99,10 @@ class PolicyHolder(Protocol):
     def forward_backward(self, rollouts: RolloutBatch) -> StepSums:
         """The GRPO loss's and the draft's TTT loss's forwards and backwards over this rank's rollouts."""
 
+    def draft_seconds(self) -> float:
+        """The draft's seconds of the step on draft_timer (its forward, backward and optimizer step; under
+        pipeline parallelism the last stage's, where the draft runs); the timer starts over."""
+
     def rollout_weights(self, with_draft: bool) -> tuple:
         """(policy, draft or None): modules whose state_dict() the rollout engine loads."""
 
