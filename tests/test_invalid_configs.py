@@ -59,9 +59,10 @@ CASES = [  # (world size, overrides, exact message)
      "rl.logprob_chunk_size: 8 needs the whole LM head on every rank, but tensor parallelism splits it over the "
      "vocabulary; set it to 0"),
     (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
-         "--rl.max_tokens_per_microbatch", "100"],
-     "rl.max_tokens_per_microbatch: 100 holds less than one pipeline microbatch of full rows "
-     "(parallelism.pipeline_parallel_microbatch_size 2 x training.seq_len 64); use 0 or >= 128"),
+         "--rl.max_tokens_per_microbatch", "200"],
+     "rl.max_tokens_per_microbatch: 200 holds less than one pipeline microbatch of full rows per pipeline rank "
+     "(parallelism.pipeline_parallel_degree 2 x pipeline_parallel_microbatch_size 2 x training.seq_len 64); use 0 "
+     "or >= 256"),
     (1, ["--activation_checkpoint.mode", "memory_budget"],
      "activation_checkpoint.mode: 'memory_budget' needs a compiled model, which titan_draft does not compile; use "
      "'none', 'selective' or 'full'"),

@@ -368,7 +368,8 @@ def _validate_pipeline(cfg, dp: int, layers: int, need) -> None:
     need(microbatch >= 1 and rows % microbatch == 0, f"parallelism.pipeline_parallel_microbatch_size: {microbatch} "
          f"does not divide the {rows} rollouts of a data-parallel rank (rl.prompts_per_step x rl.group_size / "
          f"{dp}); use a divisor of {rows}")
-    max_tokens, one_microbatch = cfg.rl.max_tokens_per_microbatch, microbatch * cfg.training.seq_len
-    need(max_tokens == 0 or max_tokens >= one_microbatch, f"rl.max_tokens_per_microbatch: {max_tokens} holds less "
-         f"than one pipeline microbatch of full rows (parallelism.pipeline_parallel_microbatch_size {microbatch} x "
-         f"training.seq_len {cfg.training.seq_len}); use 0 or >= {one_microbatch}")
+    max_tokens, one_per_stage = cfg.rl.max_tokens_per_microbatch, pp * microbatch * cfg.training.seq_len
+    need(max_tokens == 0 or max_tokens >= one_per_stage, f"rl.max_tokens_per_microbatch: {max_tokens} holds less than "
+         f"one pipeline microbatch of full rows per pipeline rank (parallelism.pipeline_parallel_degree {pp} x "
+         f"pipeline_parallel_microbatch_size {microbatch} x training.seq_len {cfg.training.seq_len}); use 0 or "
+         f">= {one_per_stage}")

@@ -120,6 +120,11 @@ def all_gather_state(local: dict[str, torch.Tensor], group) -> dict[str, torch.T
     return gathered
 
 
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [N, ...] and zero rows after it up to `rows` (rows that train nothing: they fill a schedule step)."""
+    return torch.cat([x, x.new_zeros(rows - len(x), *x.shape[1:])])
+
+
 class Weights:
     """A gathered state dict in the shape RolloutEngine.load_weights reads a trained module: state_dict()."""
 
@@ -200,40 +205,52 @@ class PipelinedPolicy:
             self.width = width
         return self.train, self.reference
 
-    def _groups(self, width: int, rows: int) -> list[slice]:
-        """The step's rows in schedule steps (gradients accumulate over them): whole pipeline microbatches,
-        at most rl.max_tokens_per_microbatch tokens of rows as wide as the widest data-parallel replica's
-        each, the last maybe shorter (0: one group). Every replica gets the same sizes: FSDP's collectives
-        run once per microbatch on each."""
-        max_tokens = self.cfg.rl.max_tokens_per_microbatch
-        if max_tokens == 0:
-            return [slice(0, rows)]
-        widest = torch.tensor(width, device=_compat.device())
+    def _width(self, rollouts: RolloutBatch) -> int:
+        """The step's row width: the widest data-parallel replica's rollouts, padded to a multiple of 2 cp
+        (zigzag chunks). The same on every replica, so that all rebuild their pipelines together (the
+        TapChannel's groups are created by every rank) and group their rows alike."""
+        cp = cp_mesh(self.dims)
+        multiple = 1 if cp is None else 2 * cp.size()
+        width = torch.tensor(-(-rollouts.tokens.shape[1] // multiple) * multiple, device=_compat.device())
         group = batch_group(self.dims)
         if group is not None:
-            dist.all_reduce(widest, dist.ReduceOp.MAX, group=group)
-        microbatch = self.cfg.parallelism.pipeline_parallel_microbatch_size
-        size = max_tokens // (microbatch * int(widest)) * microbatch  # config.validate: at least one microbatch
-        return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+            dist.all_reduce(width, dist.ReduceOp.MAX, group=group)
+        return int(width)
+
+    def _groups(self, width: int, rows: int) -> tuple[list[slice], int]:
+        """The step's rows as schedule steps (gradients accumulate over them), and the rows to pad them to.
+        rl.max_tokens_per_microbatch = 0, or all rows fitting in one: one schedule step. Else steps of the
+        most pipeline microbatches that hold at most that many tokens of `width`-wide rows, rounded down to a
+        multiple of pp (torch's 1F1B and Interleaved1F1B run such counts; config.validate: at least pp);
+        the last step is shorter, padded with empty rows to a multiple of pp microbatches."""
+        microbatch, pp = self.cfg.parallelism.pipeline_parallel_microbatch_size, self.pp_mesh.size()
+        max_tokens, microbatches = self.cfg.rl.max_tokens_per_microbatch, rows // microbatch
+        per_step = max_tokens // (microbatch * width) // pp * pp
+        if max_tokens == 0 or per_step >= microbatches:
+            return [slice(0, rows)], rows
+        padded, step = -(-microbatches // pp) * pp * microbatch, per_step * microbatch
+        return [slice(start, min(start + step, padded)) for start in range(0, padded, step)], padded
 
     def forward_backward(self, rollouts: RolloutBatch) -> StepSums:
         """Per group of rows (_groups): the reference's forward-only schedule, then the co-training
         schedule (fwd + bwd) on this replica's rollouts; every rank returns the step's sums over all
         replicas and stages."""
         device = _compat.device()
-        cp = cp_mesh(self.dims)
-        tokens, next_tokens, mask = (x.to(device) for x in rollouts.rows(1 if cp is None else 2 * cp.size()))
-        train, reference = self._pipelines(tokens.shape[1])
+        width = self._width(rollouts)
+        tokens, next_tokens, mask = (x.to(device) for x in rollouts.rows(width))
+        train, reference = self._pipelines(width)
         drafted = torch.zeros(len(tokens), dtype=torch.bool, device=device)
         drafted[rollouts.drafted().to(device)] = True
-        row_advantages = rollouts.advantages.to(device)[:, None].expand_as(mask)
-        row_drafted = drafted[:, None].expand_as(mask)
-        local = train.layout.shard
         train.begin_step(mask, drafted)  # the step's normalisers, over every group, before the first forward
-        for rows in self._groups(tokens.shape[1], len(tokens)):
+        groups, rows = self._groups(width, len(tokens))
+        tokens, next_tokens, mask, drafted, advantages = (pad_rows(x, rows) for x in (
+            tokens, next_tokens, mask, drafted, rollouts.advantages.to(device)))
+        row_advantages, row_drafted = advantages[:, None].expand_as(mask), drafted[:, None].expand_as(mask)
+        local = train.layout.shard
+        for group in groups:
             ref_logprobs = None
             if self.reference_parts:
-                ref_logprobs = reference.forward_logprobs(tokens[rows], next_tokens[rows])
+                ref_logprobs = reference.forward_logprobs(tokens[group], next_tokens[group])
                 for part in self.reference_parts:  # forward-only: no backward reshards FSDP's gathered parameters
                     for module in part.modules():
                         if isinstance(module, FSDPModule):
@@ -241,10 +258,10 @@ class PipelinedPolicy:
             target = None
             if train.has_last:
                 if ref_logprobs is None:  # an unused column (GRPOLoss without reference)
-                    ref_logprobs = torch.zeros_like(local(mask[rows]), dtype=torch.float32)
-                target = grpo_target(local(next_tokens[rows]), local(mask[rows]), local(row_advantages[rows]),
-                                     ref_logprobs, local(row_drafted[rows]))
-            train.run(tokens[rows], target)
+                    ref_logprobs = torch.zeros_like(local(mask[group]), dtype=torch.float32)
+                target = grpo_target(local(next_tokens[group]), local(mask[group]), local(row_advantages[group]),
+                                     ref_logprobs, local(row_drafted[group]))
+            train.run(tokens[group], target)
 
         # The last stage holds the sums: over dp x cp there, then to every pp rank (zeros elsewhere).
         passes = self.spec.ttt_steps if self.plan.speculate else 0
