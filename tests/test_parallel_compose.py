@@ -235,7 +235,7 @@ def _step_and_draws(argv, float64: bool = False):
     finally:
         train.sample_documents = sample
     train_pipeline = state.policy.train
-    return metrics, grads, draws[0], train_pipeline.channel.step, sorted(train_pipeline.schedules)
+    return metrics, grads, draws[0], train_pipeline.channel.step, train_pipeline.setup.n_microbatches
 
 
 def _levers_worker(rank, world_size, cases):
@@ -273,8 +273,8 @@ NINE_ROLLOUTS = ["--rl.prompts_per_step", "3", "--rl.group_size", "3"]
 HALF_DRAWN = ["--draft.train_fraction", "0.5"]
 LEVER_CASES = {  # 2 stages; (the step's own settings, the levers): rollouts of 11 tokens
     "chunked_head": ([], ["--parallelism.pipeline_parallel_microbatch_size", "2", "--rl.logprob_chunk_size", "5"]),
-    # one row per microbatch, 70 // 11 = 6 microbatches per schedule step: 9 rows in steps of 6 and 3 rows,
-    # the last padded with an empty row to 4 (a multiple of pp)
+    # one row per microbatch, at most 70 // 11 = 6 per schedule step: 9 rows in 2 steps of 6 microbatches,
+    # the second of 3 rows and 3 empty ones
     "row_groups": (NINE_ROLLOUTS, ["--rl.max_tokens_per_microbatch", "70"]),
     "drawn_documents": (HALF_DRAWN, ["--parallelism.pipeline_parallel_microbatch_size", "2"]),
 }
@@ -293,28 +293,29 @@ def test_pipeline_memory_levers_equal_single_process_in_float64(monkeypatch):
         reference = one_process_step(TINY + own, drawn, float64=True, monkeypatch=monkeypatch)
         union = {}
         for per_rank in results:
-            metrics, grads, _, schedule_steps, microbatch_counts = per_rank[name]
+            metrics, grads, _, schedule_steps, microbatches = per_rank[name]
             assert_same_float64(reference, (metrics, grads))
             union.update(grads)
-            assert (schedule_steps, microbatch_counts) == ((2, [4, 6]) if name == "row_groups" else (1, [4])), name
+            assert (schedule_steps, microbatches) == ((2, 6) if name == "row_groups" else (1, 4)), name
         assert union.keys() == reference[1].keys(), name  # every gradient was compared
 
 
 def test_pipeline_x_fsdp_with_every_lever_equals_single_process(monkeypatch):
-    """PP x FSDP2, one row per microbatch, 6 rollouts per replica: a head chunk of 5, schedule steps of 4 and
-    2 rows (64 // 11 = 5, rounded down to a multiple of pp), the draft on 3 of each replica's 6 rollouts.
+    """PP x FSDP2, one row per microbatch, 6 rollouts per replica: a head chunk of 5, 2 schedule steps of 4
+    microbatches (64 // 11 = 5 rounded down to a multiple of pp; the second step holds 2 empty rows), the draft
+    on 2 of each replica's 6 rollouts.
     The replicas draw different documents, so one runs its draft on a microbatch's row where the other has
     none (and runs it at zero loss, in lockstep)."""
-    own = ["--rl.prompts_per_step", "6"] + HALF_DRAWN
+    own = ["--rl.prompts_per_step", "6", "--draft.train_fraction", "0.3"]
     levers = ["--rl.logprob_chunk_size", "5", "--rl.max_tokens_per_microbatch", "64"]
     results = run_distributed(_step_worker, 4, TINY + own + PIPELINE_LAYOUTS["pp_x_fsdp2"] + levers, timeout=200)
     draws = [results[dp][2] for dp in range(2)]  # global rank = 2 pp + dp
     assert not torch.equal(draws[0], draws[1])
     reference = one_process_step(TINY + own, torch.cat([draws[0], draws[1] + 6]), monkeypatch=monkeypatch)
     union = {}
-    for rank, (metrics, grads, drawn, schedule_steps, microbatch_counts) in enumerate(results):
+    for rank, (metrics, grads, drawn, schedule_steps, microbatches) in enumerate(results):
         assert torch.equal(drawn, draws[rank % 2])  # both stages of a replica draw alike
-        assert (schedule_steps, microbatch_counts) == (2, [2, 4])
+        assert (schedule_steps, microbatches) == (2, 4)
         assert_same_values(reference, (metrics, grads))
         union.update(grads)
     assert union.keys() == reference[1].keys()

@@ -143,7 +143,8 @@ def pipeline_errors(rank, world_size, pp, schedules):
         for taps in (False, True):
             policy, draft = copy.deepcopy(policy0), copy.deepcopy(draft0)
             setup = PipelineSetup(pp_mesh=pp_mesh, pipelines=pipelines, schedule=schedule,
-                                  microbatch_size=MICROBATCH, seq_len=SEQ_LEN, dp_group=dp_group)
+                                  n_microbatches=N_MICROBATCHES, microbatch_size=MICROBATCH, seq_len=SEQ_LEN,
+                                  dp_group=dp_group)
             parts = split_policy(policy, pp_mesh, schedule)
             run = build_pipeline_cotrain(parts, draft, SPEC, setup) if taps else build_policy_pipeline(parts, setup)
             logs[taps], undo = record_schedule_p2p(pp_mesh.get_group())
@@ -199,7 +200,8 @@ def test_pipeline_cotrain_equals_single_process(world_size, pp_degrees):
 
 def test_bad_settings_name_the_argument():
     policy, draft = tiny_policy_and_draft()
-    setup = PipelineSetup(pp_mesh=None, pipelines=[[0]], schedule="1F1B", microbatch_size=1, seq_len=8)
+    setup = PipelineSetup(pp_mesh=None, pipelines=[[0]], schedule="1F1B", n_microbatches=2, microbatch_size=1,
+                          seq_len=8)
     with pytest.raises(ValueError, match=r"spec.tap_layers: \[3, 1\] must be distinct, ascending and in 0..5"):
         build_pipeline_cotrain([policy], draft, CoTrainSpec(tap_layers=[3, 1]), setup)
     with pytest.raises(ValueError, match=r"spec.tap_layers: \[1, 6\]"):

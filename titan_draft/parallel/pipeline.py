@@ -21,9 +21,9 @@ the schedule's); only the policy's loss goes back to the schedule.
 torchtitan's PP path sums microbatch losses unscaled: both losses are divided by their global
 counts over the whole step (all microbatches, all schedule steps, all data-parallel replicas),
 computed before it (begin_step). A step may run as several schedule steps over groups of rows
-(gradient accumulation, `run` once per group); each size of group has its schedule (schedule_for).
+(gradient accumulation: `run` once per group), all of the schedule's one microbatch count.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -65,13 +65,13 @@ class PipelineSetup:
     dtype: of the activations between stages (default the parts' parameters'; FSDP's
     mixed-precision param dtype when it casts); logprob_chunk_size: rows per chunk of the last
     stage's LM head (0: full logits, the only way for a head split by tensor parallelism);
-    channel_timeouts: TapChannel (put, get) seconds. The number of microbatches is each step's own
-    (rows / microbatch_size).
+    channel_timeouts: TapChannel (put, get) seconds.
     """
 
     pp_mesh: object
     pipelines: list[list[int]]
     schedule: str
+    n_microbatches: int  # per schedule step
     microbatch_size: int
     seq_len: int
     dp_group: dist.ProcessGroup | None = None
@@ -321,51 +321,33 @@ class CoTrainLoss:
 
 
 @dataclass
-class StageSchedule:
-    """torchtitan's schedule for steps of one number of microbatches, and the PipelineStages it runs."""
-
-    schedule: object
-    stages: list[PipelineStage]
-
-
-@dataclass
 class PipelineCoTrain:
     """What build_pipeline_cotrain returns; `step` runs one co-training step (fwd + bwd, no update)."""
 
-    modules: list[TapStage]  # this rank's stage modules, in stage order
+    schedule: object
+    stages: list[PipelineStage]
     parts: list[nn.Module]  # this rank's policy parts (torchtitan FQNs), for optimizers and checkpoints
     channel: TapChannel | None
     loss: CoTrainLoss  # used on the rank holding the last stage
-    schedule_loss: object  # what the schedules call per microbatch: `loss`, or a forward-only function
-    head_fields: tuple[torch.Tensor, ...]  # meta tensors like the last stage's outputs (the head's fields)
     spec: CoTrainSpec
     stage_ranks: list[int]  # pp rank of every stage
     setup: PipelineSetup
     layout: RowLayout
-    schedules: dict[int, StageSchedule] = field(default_factory=dict)  # by microbatches per step
 
     @property
     def has_first(self) -> bool:
-        return any(m.stage_index == 0 for m in self.modules)
+        return any(s.is_first for s in self.stages)
 
     @property
     def has_last(self) -> bool:
-        return any(m.stage_index == len(self.stage_ranks) - 1 for m in self.modules)
+        return any(s.is_last for s in self.stages)
 
-    def schedule_for(self, n_microbatches: int) -> StageSchedule:
-        """The schedule of steps of n_microbatches (torch pipelining fixes the count per schedule),
-        built on first use over this rank's stage modules."""
-        if n_microbatches not in self.schedules:
-            self.schedules[n_microbatches] = _stage_schedule(self, n_microbatches)
-        return self.schedules[n_microbatches]
-
-    def _microbatches(self, tokens: torch.Tensor) -> int:
+    def _check_rows(self, tokens: torch.Tensor) -> None:
         rows, seq_len = tokens.shape
-        size = self.setup.microbatch_size
-        if rows == 0 or rows % size or seq_len != self.layout.seq_len:
-            raise ValueError(f"tokens: {tuple(tokens.shape)}, expected [a multiple of microbatch_size = {size}, "
-                             f"seq_len = {self.layout.seq_len}]")
-        return rows // size
+        n, size = self.setup.n_microbatches, self.setup.microbatch_size
+        if rows != n * size or seq_len != self.layout.seq_len:
+            raise ValueError(f"tokens: {tuple(tokens.shape)}, expected [n_microbatches x microbatch_size, seq_len] "
+                             f"= [{n} x {size}, {self.layout.seq_len}]")
 
     def step(self, tokens: torch.Tensor, target: torch.Tensor):
         """tokens [B, S] and the policy loss's target ([B, S] labels, or [B, S, C]) of this data-parallel
@@ -384,15 +366,15 @@ class PipelineCoTrain:
         self.loss.begin_step(*target_counts(trained, self.spec.ttt_steps, self.setup.dp_group), draft_scale=scale)
 
     def run(self, tokens: torch.Tensor, local_target: torch.Tensor | None):
-        """One schedule step on whole-row tokens [B, S] (B: a multiple of the microbatch size) and the last
-        stage's target, already in this rank's columns (RowLayout.shard); after begin_step, once per group
-        of the step's rows (gradients accumulate). Returns as step(), summed over the step's groups so far."""
-        n = self._microbatches(tokens)
+        """One schedule step on whole-row tokens [B, S] and the last stage's target, already in this rank's
+        columns (RowLayout.shard); after begin_step, once per group of the step's rows (gradients
+        accumulate). Returns as step(), summed over the step's groups so far."""
+        self._check_rows(tokens)
         if self.channel is not None:
-            self.channel.begin_step(n, self.setup.microbatch_size * self.layout.local_len)
+            self.channel.begin_step(self.setup.n_microbatches, self.setup.microbatch_size * self.layout.local_len)
         args = (self.layout.shard(tokens),) if self.has_first else ()
         kwargs = dict(target=local_target, head_target=local_target) if self.has_last else {}
-        self.schedule_for(n).schedule.step(*args, return_outputs=False, **kwargs)
+        self.schedule.step(*args, return_outputs=False, **kwargs)
         if self.channel is not None:
             self.channel.end_step()
         return (float(self.loss.policy_sum), float(self.loss.draft_sum)) if self.has_last else None
@@ -401,13 +383,13 @@ class PipelineCoTrain:
     def forward_logprobs(self, tokens: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor | None:
         """Forward only (schedule.eval) of a pipeline built with loss=NextTokenLogprobs(): log p(next
         token) [B, S_local] of this rank's columns on the last stage, None elsewhere."""
-        n = self._microbatches(tokens)
+        self._check_rows(tokens)
         args = (self.layout.shard(tokens),) if self.has_first else ()
         losses, kwargs = None, {}
         if self.has_last:
             target = self.layout.shard(next_tokens)
             losses, kwargs = [], dict(target=target, head_target=target)
-        self.schedule_for(n).schedule.eval(*args, losses=losses, **kwargs)
+        self.schedule.eval(*args, losses=losses, **kwargs)
         return torch.cat(losses) if self.has_last else None
 
 
@@ -442,71 +424,60 @@ def build_policy_pipeline(parts: list[nn.Module], setup: PipelineSetup, *, polic
 
 def _build(parts: list[nn.Module], setup: PipelineSetup, spec: CoTrainSpec, *, draft=None, loss_options=None,
            loss=None) -> PipelineCoTrain:
-    """Stage modules and TapChannel (with a draft) over this rank's parts; the schedules' loss is a
-    CoTrainLoss (with loss_options), or `loss` when given. Schedules are built per step size (schedule_for)."""
+    """Stages, TapChannel (with a draft) and torchtitan's schedule over this rank's parts; the schedule's
+    loss is a CoTrainLoss (with loss_options), or `loss` when given."""
     args = parts[0].model_args
-    pp_mesh, schedule = setup.pp_mesh, setup.schedule
+    pp_mesh, schedule, microbatch_size = setup.pp_mesh, setup.schedule, setup.microbatch_size
     num_stages = pipeline_num_stages(pp_mesh.size(), schedule)
     names = generate_llm_fqn_per_model_part(num_stages, args.n_layers)
     device = _compat.device()
     stage_ranks = stage_pp_ranks(num_stages, pp_mesh.size(), schedule)
     local_stages = [s for s in range(num_stages) if stage_ranks[s] == pp_mesh.get_local_rank()]
     dtype = setup.dtype or next(parts[0].parameters()).dtype
-    layout = RowLayout(setup.microbatch_size, setup.seq_len, device, setup.cp_mesh, setup.cp_mode,
-                       max_shift=spec.ttt_steps)
+    layout = RowLayout(microbatch_size, setup.seq_len, device, setup.cp_mesh, setup.cp_mode, max_shift=spec.ttt_steps)
 
     widths = {}
     for s, stage_names in enumerate(names):
         count = ("tok_embeddings" in stage_names) + sum(f"layers.{i}" in stage_names for i in spec.tap_layers)
         if count:
             widths[s] = count * args.dim
-    channel = TapChannel(setup.pipelines, stage_ranks, widths, setup.microbatch_size * layout.local_len, dtype,
-                         device, *setup.channel_timeouts) if draft is not None else None
+    channel = TapChannel(setup.pipelines, stage_ranks, widths, microbatch_size * layout.local_len, dtype, device,
+                         *setup.channel_timeouts) if draft is not None else None
 
     # Every rank needs a loss function: torch pipelining runs backward only when it has one.
     cotrain_loss = CoTrainLoss(draft, channel, list(widths), spec, layout, chunk_size=setup.logprob_chunk_size,
                                **(loss_options or {}))
     schedule_loss = loss or cotrain_loss
+    shape = (microbatch_size, layout.local_len)
     # The last stage's outputs, the head's TokenOutputs fields, go to the loss, never to another stage: torch
     # pipelining neither sends nor checks them, but wants one entry each (shapes: the most rows, every row).
-    rows, stats = setup.microbatch_size * layout.local_len, torch.promote_types(dtype, torch.float32)
+    rows, stats = shape[0] * shape[1], torch.promote_types(dtype, torch.float32)
     head_fields = (torch.empty(rows, dtype=stats, device="meta", requires_grad=True),
                    torch.empty(rows, dtype=stats, device="meta"))
     if draft is not None and loss is None:  # the draft's teacher
         head_fields += (torch.empty(rows, len(draft.target_ids()), dtype=dtype, device="meta"),
                         torch.empty(rows, dtype=torch.long, device="meta"))
-    modules = [TapStage(part, s, spec.tap_layers, channel, layout,
-                        head_request=schedule_loss.head_request if s == num_stages - 1 else None)
-               for s, part in zip(local_stages, parts)]
-    return PipelineCoTrain(modules, parts, channel, cotrain_loss, schedule_loss, head_fields, spec, stage_ranks, setup,
-                           layout)
-
-
-def _stage_schedule(pipeline: PipelineCoTrain, n_microbatches: int) -> StageSchedule:
-    """PipelineStages over the pipeline's modules and torchtitan's schedule for n_microbatches per step."""
-    setup, layout = pipeline.setup, pipeline.layout
-    args = pipeline.parts[0].model_args
-    device, num_stages = _compat.device(), len(pipeline.stage_ranks)
-    dtype = setup.dtype or next(pipeline.parts[0].parameters()).dtype
-    shape = (setup.microbatch_size, layout.local_len)
     stages = []
-    for module in pipeline.modules:
-        s = module.stage_index
+    for s, part in zip(local_stages, parts):
+        last = s == num_stages - 1
+        module = TapStage(part, s, spec.tap_layers, channel, layout,
+                          head_request=schedule_loss.head_request if last else None)
         inputs = torch.empty(shape, dtype=torch.long, device="meta") if s == 0 else \
             torch.empty(*shape, args.dim, dtype=dtype, device="meta", requires_grad=True)
-        outputs = pipeline.head_fields if s == num_stages - 1 else \
-            torch.empty(*shape, args.dim, dtype=dtype, device="meta", requires_grad=True)
+        outputs = head_fields if last else torch.empty(*shape, args.dim, dtype=dtype, device="meta",
+                                                       requires_grad=True)
         # Given shapes, torch pipelining skips its inference forward, which would run the stage (and
         # the loss) once more than the schedule and desynchronise the channel.
         stages.append(PipelineStage(module, s, num_stages, device, input_args=inputs, output_args=outputs,
-                                    group=setup.pp_mesh.get_group()))
+                                    group=pp_mesh.get_group()))
 
     job = JobConfig()
-    job.parallelism.pipeline_parallel_schedule = setup.schedule
-    job.parallelism.pipeline_parallel_degree = setup.pp_mesh.size()
-    job.parallelism.pipeline_parallel_microbatch_size = setup.microbatch_size
-    job.training.local_batch_size = n_microbatches * setup.microbatch_size
-    return StageSchedule(build_pipeline_schedule(job, stages, pipeline.schedule_loss), stages)
+    job.parallelism.pipeline_parallel_schedule = schedule
+    job.parallelism.pipeline_parallel_degree = pp_mesh.size()
+    job.parallelism.pipeline_parallel_microbatch_size = microbatch_size
+    job.training.local_batch_size = setup.n_microbatches * microbatch_size
+    pp_schedule = build_pipeline_schedule(job, stages, schedule_loss)
+    return PipelineCoTrain(pp_schedule, stages, parts, channel, cotrain_loss, spec, stage_ranks, setup, layout)
 
 
 def pipeline_num_stages(pp: int, schedule: str) -> int:

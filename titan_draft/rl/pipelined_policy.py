@@ -162,7 +162,7 @@ class PipelinedPolicy:
         self.optimizer = policy_optimizer(self.parts, cfg.rl)
         # The draft's forward and backward (on the last stage, CoTrainLoss) and train_step's draft step.
         self.draft_timer = DeviceTimer(_compat.device())
-        self.width = self.train = self.reference = None
+        self.shape = self.train = self.reference = None  # (row width, microbatches per schedule step) of both
 
     def _split(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, *,
                checkpointed: bool = False) -> list[nn.Module]:
@@ -183,12 +183,14 @@ class PipelinedPolicy:
                 apply_context_parallel(part, cp_mesh(self.dims), self.cfg.draft.cp_mode)
         return parts
 
-    def _pipelines(self, width: int):
-        """The co-training and the reference pipelines for rows of `width` tokens (built on first use)."""
-        if self.width != width:
+    def _pipelines(self, width: int, n_microbatches: int):
+        """The co-training and the reference pipelines for schedule steps of n_microbatches rows of `width`
+        tokens (built on first use)."""
+        if self.shape != (width, n_microbatches):
             cfg, d = self.cfg, self.cfg.draft
             chunk = cfg.rl.logprob_chunk_size
             setup = PipelineSetup(pp_mesh=self.pp_mesh, pipelines=pipeline_replicas(self.dims), schedule=self.schedule,
+                                  n_microbatches=n_microbatches,
                                   microbatch_size=cfg.parallelism.pipeline_parallel_microbatch_size, seq_len=width,
                                   dp_group=batch_group(self.dims), cp_mesh=cp_mesh(self.dims),
                                   cp_mode=d.cp_mode, dtype=activation_dtype(cfg, self.dims), logprob_chunk_size=chunk)
@@ -202,7 +204,7 @@ class PipelinedPolicy:
                                                    grad_scale=loss_scale(self.dims))
             if self.reference_parts:
                 self.reference = build_policy_pipeline(self.reference_parts, setup, loss=NextTokenLogprobs(chunk))
-            self.width = width
+            self.shape = (width, n_microbatches)
         return self.train, self.reference
 
     def _width(self, rollouts: RolloutBatch) -> int:
@@ -217,37 +219,42 @@ class PipelinedPolicy:
             dist.all_reduce(width, dist.ReduceOp.MAX, group=group)
         return int(width)
 
-    def _groups(self, width: int, rows: int) -> tuple[list[slice], int]:
-        """The step's rows as schedule steps (gradients accumulate over them), and the rows to pad them to.
-        rl.max_tokens_per_microbatch = 0, or all rows fitting in one: one schedule step. Else steps of the
-        most pipeline microbatches that hold at most that many tokens of `width`-wide rows, rounded down to a
-        multiple of pp (torch's 1F1B and Interleaved1F1B run such counts; config.validate: at least pp);
-        the last step is shorter, padded with empty rows to a multiple of pp microbatches."""
+    def _schedule_steps(self, width: int, rows: int) -> tuple[int, int]:
+        """(pipeline microbatches per schedule step, schedule steps) of a step of `rows` rows of `width`
+        tokens; gradients accumulate over the schedule steps. rl.max_tokens_per_microbatch = 0, or every row
+        fitting in one step: one step of all. Else as few steps as hold at most that many tokens each, all of
+        one microbatch count: torch pipelining fixes a schedule's count, and (re)initialising a schedule
+        between steps drops the FSDP gradients accumulated so far (PipelineStage's
+        _post_metadata_inference_cleanup). The count is a multiple of pp (1F1B and Interleaved1F1B run such
+        counts; config.validate: the token limit holds at least pp), and the last step's missing rows are
+        empty (pad_rows)."""
         microbatch, pp = self.cfg.parallelism.pipeline_parallel_microbatch_size, self.pp_mesh.size()
         max_tokens, microbatches = self.cfg.rl.max_tokens_per_microbatch, rows // microbatch
-        per_step = max_tokens // (microbatch * width) // pp * pp
-        if max_tokens == 0 or per_step >= microbatches:
-            return [slice(0, rows)], rows
-        padded, step = -(-microbatches // pp) * pp * microbatch, per_step * microbatch
-        return [slice(start, min(start + step, padded)) for start in range(0, padded, step)], padded
+        most = max_tokens // (microbatch * width) // pp * pp
+        if max_tokens == 0 or most >= microbatches:
+            return microbatches, 1
+        steps = -(-microbatches // most)
+        return -(-microbatches // (steps * pp)) * pp, steps
 
     def forward_backward(self, rollouts: RolloutBatch) -> StepSums:
-        """Per group of rows (_groups): the reference's forward-only schedule, then the co-training
+        """Per schedule step (_schedule_steps): the reference's forward-only schedule, then the co-training
         schedule (fwd + bwd) on this replica's rollouts; every rank returns the step's sums over all
         replicas and stages."""
         device = _compat.device()
         width = self._width(rollouts)
         tokens, next_tokens, mask = (x.to(device) for x in rollouts.rows(width))
-        train, reference = self._pipelines(width)
+        n_microbatches, steps = self._schedule_steps(width, len(tokens))
+        train, reference = self._pipelines(width, n_microbatches)
         drafted = torch.zeros(len(tokens), dtype=torch.bool, device=device)
         drafted[rollouts.drafted().to(device)] = True
-        train.begin_step(mask, drafted)  # the step's normalisers, over every group, before the first forward
-        groups, rows = self._groups(width, len(tokens))
-        tokens, next_tokens, mask, drafted, advantages = (pad_rows(x, rows) for x in (
+        train.begin_step(mask, drafted)  # the step's normalisers, over every schedule step, before the first
+        per_step = n_microbatches * train.setup.microbatch_size
+        tokens, next_tokens, mask, drafted, advantages = (pad_rows(x, steps * per_step) for x in (
             tokens, next_tokens, mask, drafted, rollouts.advantages.to(device)))
         row_advantages, row_drafted = advantages[:, None].expand_as(mask), drafted[:, None].expand_as(mask)
         local = train.layout.shard
-        for group in groups:
+        for start in range(0, len(tokens), per_step):
+            group = slice(start, start + per_step)
             ref_logprobs = None
             if self.reference_parts:
                 ref_logprobs = reference.forward_logprobs(tokens[group], next_tokens[group])
