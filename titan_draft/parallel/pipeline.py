@@ -306,15 +306,13 @@ class CoTrainLoss:
     def _draft_step(self, features: torch.Tensor, outputs: TokenOutputs, target: torch.Tensor) -> None:
         """cotrain.draft_step on this microbatch's drawn rows, normalised by the step's pairs (begin_step)."""
         index, trained = self._draft_rows(target)
-        rows = len(index)
-        if rows not in self.layouts:
-            self.layouts[rows] = self.layout.with_rows(rows)
+        if len(index) not in self.layouts:
+            self.layouts[len(index)] = self.layout.with_rows(len(index))
         dim = self.draft.args.dim
         features = features.view(*target.shape[:2], -1)[index].flatten(0, 1)
-        teacher = Teacher.at(trained.flatten(), outputs.teacher_logits, outputs.teacher_argmax)
-        loss, per_pass = draft_step(self.draft, DraftFeatures(self.layouts[rows].batch(trained), features[:, :dim],
-                                                              features[:, dim:], teacher),
-                                    self.spec, count=self.draft_count, scale=self.draft_scale,
+        rows = DraftFeatures(self.layouts[len(index)].batch(trained), features[:, :dim], features[:, dim:],
+                             Teacher.at(trained.flatten(), outputs.teacher_logits, outputs.teacher_argmax))
+        loss, per_pass = draft_step(self.draft, rows, self.spec, count=self.draft_count, scale=self.draft_scale,
                                     train=self.train_draft and torch.is_grad_enabled(), grad_scale=self.grad_scale)
         self.draft_sum += loss
         self.draft_stats = self.draft_stats + per_pass
@@ -435,6 +433,7 @@ def _build(parts: list[nn.Module], setup: PipelineSetup, spec: CoTrainSpec, *, d
     local_stages = [s for s in range(num_stages) if stage_ranks[s] == pp_mesh.get_local_rank()]
     dtype = setup.dtype or next(parts[0].parameters()).dtype
     layout = RowLayout(microbatch_size, setup.seq_len, device, setup.cp_mesh, setup.cp_mode, max_shift=spec.ttt_steps)
+    taps = draft is not None
 
     widths = {}
     for s, stage_names in enumerate(names):
@@ -442,7 +441,7 @@ def _build(parts: list[nn.Module], setup: PipelineSetup, spec: CoTrainSpec, *, d
         if count:
             widths[s] = count * args.dim
     channel = TapChannel(setup.pipelines, stage_ranks, widths, microbatch_size * layout.local_len, dtype, device,
-                         *setup.channel_timeouts) if draft is not None else None
+                         *setup.channel_timeouts) if taps else None
 
     # Every rank needs a loss function: torch pipelining runs backward only when it has one.
     cotrain_loss = CoTrainLoss(draft, channel, list(widths), spec, layout, chunk_size=setup.logprob_chunk_size,
@@ -454,7 +453,7 @@ def _build(parts: list[nn.Module], setup: PipelineSetup, spec: CoTrainSpec, *, d
     rows, stats = shape[0] * shape[1], torch.promote_types(dtype, torch.float32)
     head_fields = (torch.empty(rows, dtype=stats, device="meta", requires_grad=True),
                    torch.empty(rows, dtype=stats, device="meta"))
-    if draft is not None and loss is None:  # the draft's teacher
+    if taps:  # the draft's teacher
         head_fields += (torch.empty(rows, len(draft.target_ids()), dtype=dtype, device="meta"),
                         torch.empty(rows, dtype=torch.long, device="meta"))
     stages = []

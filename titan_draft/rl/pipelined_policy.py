@@ -9,10 +9,13 @@ the pipelined twin of whole_policy.WholePolicy (the same surface; train.train_st
 - The reference policy (KL penalty, or the kl_to_start metric when asked for) is split the same way,
   in whole_policy.reference_dtype, and runs forward-only through its own schedule (schedule.eval): each rank
   holds only its stages of it.
-- forward_backward: reference log-probs, then the co-training schedule with the GRPO loss
-  (GRPOLoss below, the same grpo_objective as WholePolicy) plus the draft's TTT loss on the last
-  stage. Its sums are shared over the loss group and then the pp group, so every rank returns the
-  step's StepSums; clipping (over all stages), the optimizer step and the draft's step are train_step's.
+- forward_backward: per schedule step (gradient accumulation over groups of rows, at most
+  rl.max_tokens_per_microbatch tokens each), reference log-probs, then the co-training schedule with
+  the GRPO loss (GRPOLoss below, the same grpo_objective as WholePolicy) on the last stage's head
+  outputs (chunked with rl.logprob_chunk_size, as WholePolicy's head), and the draft's TTT forward
+  and backward beside it on the documents it trains on (draft.train_fraction: the step's draw, as
+  WholePolicy's). Its sums are shared over the loss group and then the pp group, so every rank returns
+  the step's StepSums; clipping (over all stages), the optimizer step and the draft's step are train_step's.
 - Rollouts need the whole policy on every rank: each pp rank contributes its parts' full state,
   all-gathered over the pp group (the draft's from the last stage).
 - Context parallelism: every rollout row is zigzag-sharded over the cp ranks inside each stage
@@ -220,14 +223,13 @@ class PipelinedPolicy:
         return int(width)
 
     def _schedule_steps(self, width: int, rows: int) -> tuple[int, int]:
-        """(pipeline microbatches per schedule step, schedule steps) of a step of `rows` rows of `width`
-        tokens; gradients accumulate over the schedule steps. rl.max_tokens_per_microbatch = 0, or every row
-        fitting in one step: one step of all. Else as few steps as hold at most that many tokens each, all of
-        one microbatch count: torch pipelining fixes a schedule's count, and (re)initialising a schedule
-        between steps drops the FSDP gradients accumulated so far (PipelineStage's
-        _post_metadata_inference_cleanup). The count is a multiple of pp (1F1B and Interleaved1F1B run such
-        counts; config.validate: the token limit holds at least pp), and the last step's missing rows are
-        empty (pad_rows)."""
+        """(pipeline microbatches per schedule step, schedule steps) for `rows` rows of `width` tokens;
+        gradients accumulate over the schedule steps. rl.max_tokens_per_microbatch = 0, or all rows within
+        it: one schedule step. Else the fewest steps of at most that many tokens, all of one microbatch
+        count, a multiple of pp (what 1F1B and Interleaved1F1B run; config.validate: the limit holds pp
+        microbatches); the last step's missing rows are empty (pad_rows). One count, because torch
+        pipelining fixes a schedule's count, and initialising a second schedule within the step would drop
+        the FSDP gradients accumulated so far (PipelineStage._post_metadata_inference_cleanup)."""
         microbatch, pp = self.cfg.parallelism.pipeline_parallel_microbatch_size, self.pp_mesh.size()
         max_tokens, microbatches = self.cfg.rl.max_tokens_per_microbatch, rows // microbatch
         most = max_tokens // (microbatch * width) // pp * pp
