@@ -301,11 +301,10 @@ def test_pipeline_memory_levers_equal_single_process_in_float64(monkeypatch):
 
 
 def test_pipeline_x_fsdp_with_every_lever_equals_single_process(monkeypatch):
-    """PP x FSDP2, one row per microbatch, 6 rollouts per replica: a head chunk of 5, 2 schedule steps of 4
-    microbatches (64 // 11 = 5 rounded down to a multiple of pp; the second step holds 2 empty rows), the draft
-    on 2 of each replica's 6 rollouts.
-    The replicas draw different documents, so one runs its draft on a microbatch's row where the other has
-    none (and runs it at zero loss, in lockstep)."""
+    """PP x FSDP2 (float32), one row per microbatch, 6 rollouts per replica: a head chunk of 5, 2 schedule
+    steps of 4 microbatches (64 // 11 = 5 rounded down to a multiple of pp; the second holds 2 empty rows),
+    the draft on 2 of each replica's 6 rollouts. The replicas draw different documents, so one runs its
+    draft on a microbatch's row where the other has none (and runs it at zero loss, in lockstep)."""
     own = ["--rl.prompts_per_step", "6", "--draft.train_fraction", "0.3"]
     levers = ["--rl.logprob_chunk_size", "5", "--rl.max_tokens_per_microbatch", "64"]
     results = run_distributed(_step_worker, 4, TINY + own + PIPELINE_LAYOUTS["pp_x_fsdp2"] + levers, timeout=200)
