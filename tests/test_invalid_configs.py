@@ -47,9 +47,6 @@ CASES = [  # (world size, overrides, exact message)
      "parallelism.pipeline_parallel_schedule: 'Bogus' is unknown; use 1F1B, GPipe or Interleaved1F1B"),
     (1, ["--draft.cotrain_lr", "-1"], "draft.cotrain_lr: -1.0 must be >= 0 (0 = draft.lr)"),
     (1, ["--draft.train_fraction", "0"], "draft.train_fraction: 0.0 must be in (0, 1] (1 = every rollout)"),
-    (2, ["--parallelism.pipeline_parallel_degree", "2", "--draft.train_fraction", "0.5"],
-     "draft.train_fraction: 0.5 needs the draft on whole batches, but pipeline stages train it per microbatch; set "
-     "it to 1 or parallelism.pipeline_parallel_degree to 1"),
     (1, ["--rl.logprob_chunk_size", "-1"],
      "rl.logprob_chunk_size: -1 must be >= 0 (rows per chunk of the LM head; 0 = no chunking)"),
     (1, ["--rl.max_tokens_per_microbatch", "-5"],
@@ -61,12 +58,11 @@ CASES = [  # (world size, overrides, exact message)
     (2, ["--parallelism.tensor_parallel_degree", "2", "--rl.logprob_chunk_size", "8"],
      "rl.logprob_chunk_size: 8 needs the whole LM head on every rank, but tensor parallelism splits it over the "
      "vocabulary; set it to 0"),
-    (2, ["--parallelism.pipeline_parallel_degree", "2", "--rl.max_tokens_per_microbatch", "64"],
-     "rl.max_tokens_per_microbatch: 64 splits whole-batch steps; pipeline stages already run micro-batches "
-     "(parallelism.pipeline_parallel_microbatch_size): set it to 0"),
-    (2, ["--parallelism.pipeline_parallel_degree", "2", "--rl.logprob_chunk_size", "8"],
-     "rl.logprob_chunk_size: 8 is not wired through pipeline stages (their last stage returns full logits per "
-     "microbatch); set it to 0 or parallelism.pipeline_parallel_degree to 1"),
+    (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
+         "--rl.max_tokens_per_microbatch", "200"],
+     "rl.max_tokens_per_microbatch: 200 holds less than one pipeline microbatch of full rows per pipeline rank "
+     "(parallelism.pipeline_parallel_degree 2 x pipeline_parallel_microbatch_size 2 x training.seq_len 64); use 0 "
+     "or >= 256"),
     (1, ["--activation_checkpoint.mode", "memory_budget"],
      "activation_checkpoint.mode: 'memory_budget' needs a compiled model, which titan_draft does not compile; use "
      "'none', 'selective' or 'full'"),

@@ -3,7 +3,9 @@ clipping) on 4 ranks equals the same step in one process — losses and every pa
 (also with micro-batches and a chunked LM head against the single process's one batch).
 Pipeline layouts (PP x FSDP2 with 1F1B and Interleaved1F1B, CP x PP, TP x PP) run the
 step through the pipeline schedule: each rank holds some stages' gradients (the draft's on the last
-stage), together they are every gradient."""
+stage), together they are every gradient. The memory levers under PP (a chunked LM head, groups of
+rows as schedule steps, the draft on drawn documents) equal the one-process step: each alone on
+2 stages in float64, all together on PP x FSDP2."""
 import os
 import sys
 
@@ -210,5 +212,113 @@ def test_pipeline_layout_equals_single_process(single_process_step, layout):
     assert union.keys() == single_process_step[1].keys()  # every gradient is on some rank
     schedule = parse_config(TINY + PIPELINE_LAYOUTS[layout]).parallelism.pipeline_parallel_schedule
     draft_pp_rank = last_stage_pp_rank(2, schedule)
-    for rank, (_, grads, *_) in enumerate(results):  # pp is the outermost mesh dim: ranks 2 r, 2 r + 1
+    for rank, (metrics, grads, *_) in enumerate(results):  # pp is the outermost mesh dim: ranks 2 r, 2 r + 1
         assert any(k.startswith("draft.") for k in grads) == (rank // 2 == draft_pp_rank), rank
+        assert metrics["draft_time_s"] > 0  # the last stage's, on every rank
+
+
+def _step_and_draws(argv, float64: bool = False):
+    """cotrain_step, and the documents this rank's draft trained on (cotrain.sample_documents' draw)."""
+    import titan_draft.train as train
+
+    if float64:
+        torch.set_default_dtype(torch.float64)
+    draws, sample = [], train.sample_documents
+
+    def recording(*args):
+        draws.append(sample(*args))
+        return draws[-1]
+
+    train.sample_documents = recording
+    try:
+        metrics, grads, state = cotrain_step(argv, dims_from_world=True, return_state=True)
+    finally:
+        train.sample_documents = sample
+    train_pipeline = state.policy.train
+    return metrics, grads, draws[0], train_pipeline.channel.step, train_pipeline.setup.n_microbatches
+
+
+def _levers_worker(rank, world_size, cases):
+    """Each case's step in float64 (the processes' group serves them all)."""
+    return {name: _step_and_draws(argv, float64=True) for name, argv in cases.items()}
+
+
+def one_process_step(argv, drawn=None, *, float64: bool = False, monkeypatch=None):
+    """The one-process step (whole batch, full logits), its draft on the documents `drawn` (None: all)."""
+    import titan_draft.train as train
+
+    if drawn is not None:
+        monkeypatch.setattr(train, "sample_documents", lambda *args: drawn)
+    torch.set_default_dtype(torch.float64 if float64 else torch.float32)
+    try:
+        torch.manual_seed(0)
+        return cotrain_step(argv, dims_from_world=False)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def assert_same_float64(single, distributed):
+    """The metrics (timings aside) and every gradient the distributed rank holds, to 1e-10 relative."""
+    from titan_draft.infra.metrics import TIMING_KEYS
+
+    (m1, g1), (m2, g2) = single, distributed
+    for key in m1.keys() - TIMING_KEYS:
+        assert m2[key] == pytest.approx(m1[key], rel=1e-10, abs=1e-12), key
+    for name in g2:  # relative to the gradient's norm: float64 sums in another order
+        assert (g2[name] - g1[name]).norm() <= 1e-10 * g1[name].norm(), name
+
+
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+NINE_ROLLOUTS = ["--rl.prompts_per_step", "3", "--rl.group_size", "3"]
+HALF_DRAWN = ["--draft.train_fraction", "0.5"]
+LEVER_CASES = {  # 2 stages; (the step's own settings, the levers): rollouts of 11 tokens
+    "chunked_head": ([], ["--parallelism.pipeline_parallel_microbatch_size", "2", "--rl.logprob_chunk_size", "5"]),
+    # one row per microbatch, at most 70 // 11 = 6 per schedule step: 9 rows in 2 steps of 6 microbatches,
+    # the second of 3 rows and 3 empty ones
+    "row_groups": (NINE_ROLLOUTS, ["--rl.max_tokens_per_microbatch", "70"]),
+    "drawn_documents": (HALF_DRAWN, ["--parallelism.pipeline_parallel_microbatch_size", "2"]),
+}
+
+
+def test_pipeline_memory_levers_equal_single_process_in_float64(monkeypatch):
+    """Each lever alone on 2 stages (the drawn documents: 0, 1 or 2 of a microbatch's 2 rows) equals the one
+    process's step without levers (one batch, full logits) in float64."""
+    cases = {name: TINY + own + PP2 + levers for name, (own, levers) in LEVER_CASES.items()}
+    results = run_distributed(_levers_worker, 2, cases, timeout=200)
+    for name, (own, _) in LEVER_CASES.items():
+        drawn = results[0][name][2]
+        assert (drawn is not None) == (own is HALF_DRAWN)
+        if drawn is not None:  # microbatches (2 rows each) with 0, 1 and 2 drawn rows
+            assert set(torch.bincount(drawn // 2, minlength=4).tolist()) == {0, 1, 2}
+        reference = one_process_step(TINY + own, drawn, float64=True, monkeypatch=monkeypatch)
+        union = {}
+        for per_rank in results:
+            metrics, grads, _, schedule_steps, microbatches = per_rank[name]
+            assert_same_float64(reference, (metrics, grads))
+            union.update(grads)
+            assert (schedule_steps, microbatches) == ((2, 6) if name == "row_groups" else (1, 4)), name
+        assert union.keys() == reference[1].keys(), name  # every gradient was compared
+
+
+def test_pipeline_x_fsdp_with_every_lever_equals_single_process(monkeypatch):
+    """PP x FSDP2 (float32), one row per microbatch, 6 rollouts per replica: a head chunk of 5, 2 schedule
+    steps of 4 microbatches (64 // 11 = 5 rounded down to a multiple of pp; the second holds 2 empty rows),
+    the draft on 2 of each replica's 6 rollouts. The replicas draw different documents, so one runs its
+    draft on a microbatch's row where the other has none (and runs it at zero loss, in lockstep)."""
+    own = ["--rl.prompts_per_step", "6", "--draft.train_fraction", "0.3"]
+    levers = ["--rl.logprob_chunk_size", "5", "--rl.max_tokens_per_microbatch", "64"]
+    results = run_distributed(_step_worker, 4, TINY + own + PIPELINE_LAYOUTS["pp_x_fsdp2"] + levers, timeout=200)
+    draws = [results[dp][2] for dp in range(2)]  # global rank = 2 pp + dp
+    assert not torch.equal(draws[0], draws[1])
+    reference = one_process_step(TINY + own, torch.cat([draws[0], draws[1] + 6]), monkeypatch=monkeypatch)
+    union = {}
+    for rank, (metrics, grads, drawn, schedule_steps, microbatches) in enumerate(results):
+        assert torch.equal(drawn, draws[rank % 2])  # both stages of a replica draw alike
+        assert (schedule_steps, microbatches) == (2, 4)
+        assert_same_values(reference, (metrics, grads))
+        union.update(grads)
+    assert union.keys() == reference[1].keys()
+
+
+def _step_worker(rank, world_size, argv):
+    return _step_and_draws(argv)

@@ -3,8 +3,10 @@
 For PP=2, PP=4 and PP=2 x DP=2 (gloo, CPU, float32): the policy loss, the draft loss, the policy's
 gradients (every parameter of every stage) and the draft's gradients match one process running
 the whole policy and the draft on the same batch; the schedule's own P2P operations are the
-same with and without the TapChannel.
+same with and without the TapChannel; the draft's forward and every one of its gradients run inside
+the draft timer's blocks (draft_time_s), one block per microbatch.
 """
+import contextlib
 import copy
 import inspect
 import os
@@ -110,6 +112,31 @@ def record_schedule_p2p(pp_group):
     return log, undo
 
 
+class BlockTimer:
+    """A draft_timer (timing.DeviceTimer's interface: a context per block) that knows whether a block is open."""
+
+    def __init__(self):
+        self.open, self.blocks = False, 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self.open, self.blocks = True, self.blocks + 1
+        try:
+            yield
+        finally:
+            self.open = False
+
+
+def record_draft_work(draft, timer: BlockTimer) -> list[bool]:
+    """Whether the timer's block was open at each forward of the draft's first layer and each gradient
+    accumulated into one of its parameters."""
+    seen = []
+    draft.fc.register_forward_pre_hook(lambda *_: seen.append(timer.open))
+    for p in draft.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: seen.append(timer.open))
+    return seen
+
+
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
@@ -146,7 +173,10 @@ def pipeline_errors(rank, world_size, pp, schedules):
                                   n_microbatches=N_MICROBATCHES, microbatch_size=MICROBATCH, seq_len=SEQ_LEN,
                                   dp_group=dp_group)
             parts = split_policy(policy, pp_mesh, schedule)
-            run = build_pipeline_cotrain(parts, draft, SPEC, setup) if taps else build_policy_pipeline(parts, setup)
+            timer = BlockTimer()
+            draft_work = record_draft_work(draft, timer)
+            run = build_pipeline_cotrain(parts, draft, SPEC, setup, draft_timer=timer) if taps else \
+                build_policy_pipeline(parts, setup)
             logs[taps], undo = record_schedule_p2p(pp_mesh.get_group())
             try:
                 losses = run.step(tokens[mine], labels[mine])
@@ -171,7 +201,9 @@ def pipeline_errors(rank, world_size, pp, schedules):
             errors["policy_loss"] = abs(loss_sums[0].item() - ref_losses[0]) / abs(ref_losses[0])
             errors["draft_loss"] = abs(loss_sums[1].item() - ref_losses[1]) / abs(ref_losses[1])
         results[schedule] = dict(errors=errors, same_p2p=logs[True] == logs[False], n_p2p=len(logs[True]),
-                                 puts=dict(run.channel.put_count), gets=dict(run.channel.get_count))
+                                 puts=dict(run.channel.put_count), gets=dict(run.channel.get_count),
+                                 draft_work=draft_work, timer_blocks=timer.blocks, has_last=run.has_last,
+                                 draft_params=len(list(draft.parameters())))
     return results
 
 
@@ -182,6 +214,11 @@ def check(results, schedules):
             assert r["same_p2p"], f"{schedule} rank {rank}: the schedule's P2P ops changed with the TapChannel"
             assert r["n_p2p"] > 0, f"{schedule} rank {rank}: recorded no schedule P2P ops"
             assert all(n == N_MICROBATCHES for n in {**r["puts"], **r["gets"]}.values()), (schedule, rank, r)
+            if r["has_last"]:  # forward once and every parameter's gradient once per microbatch, all timed
+                assert r["timer_blocks"] == N_MICROBATCHES and all(r["draft_work"]), (schedule, rank)
+                assert len(r["draft_work"]) == N_MICROBATCHES * (1 + r["draft_params"]), (schedule, rank)
+            else:
+                assert r["timer_blocks"] == 0 and not r["draft_work"], (schedule, rank)
             worst = max(r["errors"], key=r["errors"].get)
             assert r["errors"][worst] < 1e-5, f"{schedule} rank {rank}: {worst} rel err {r['errors'][worst]:.2e}"
     # Every gradient and both losses were compared somewhere.

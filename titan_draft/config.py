@@ -259,14 +259,6 @@ def validate(cfg, world_size: int):
          "does not compile; use 'none', 'selective' or 'full'")
     pp = p.pipeline_parallel_degree
     need(pp <= n_layers, f"parallelism.pipeline_parallel_degree: {pp} exceeds the policy's {n_layers} layers")
-    need(pp == 1 or rl.max_tokens_per_microbatch == 0, f"rl.max_tokens_per_microbatch: "
-         f"{rl.max_tokens_per_microbatch} splits whole-batch steps; pipeline stages already run micro-batches "
-         "(parallelism.pipeline_parallel_microbatch_size): set it to 0")
-    need(pp == 1 or rl.logprob_chunk_size == 0, f"rl.logprob_chunk_size: {rl.logprob_chunk_size} is not wired "
-         "through pipeline stages (their last stage returns full logits per microbatch); set it to 0 or "
-         "parallelism.pipeline_parallel_degree to 1")
-    need(pp == 1 or d.train_fraction == 1, f"draft.train_fraction: {d.train_fraction} needs the draft on whole "
-         "batches, but pipeline stages train it per microbatch; set it to 1 or parallelism.pipeline_parallel_degree to 1")
     _validate_composition(cfg, plan, args, need)
     return plan
 
@@ -376,3 +368,8 @@ def _validate_pipeline(cfg, dp: int, layers: int, need) -> None:
     need(microbatch >= 1 and rows % microbatch == 0, f"parallelism.pipeline_parallel_microbatch_size: {microbatch} "
          f"does not divide the {rows} rollouts of a data-parallel rank (rl.prompts_per_step x rl.group_size / "
          f"{dp}); use a divisor of {rows}")
+    max_tokens, one_per_stage = cfg.rl.max_tokens_per_microbatch, pp * microbatch * cfg.training.seq_len
+    need(max_tokens == 0 or max_tokens >= one_per_stage, f"rl.max_tokens_per_microbatch: {max_tokens} holds less than "
+         f"one pipeline microbatch of full rows per pipeline rank (parallelism.pipeline_parallel_degree {pp} x "
+         f"pipeline_parallel_microbatch_size {microbatch} x training.seq_len {cfg.training.seq_len}); use 0 or "
+         f">= {one_per_stage}")

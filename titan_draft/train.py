@@ -177,7 +177,7 @@ def train_step(s: RLState, r: Rollouts) -> dict:
                                               .to(job.device), job.dims).tolist()
     draft = sums.draft_metrics()
     if plan.speculate:  # the draft's share of train_time_s (its forward, backward and step)
-        draft["draft_time_s"] = s.policy.draft_timer.pop_seconds()
+        draft["draft_time_s"] = s.policy.draft_seconds()
     if plan.train_draft:
         draft["draft_updates_skipped"] = s.draft_opt.skipped
     metrics = {"reward_mean": reward_sum / num_samples, **draft, **sums.policy_metrics(),

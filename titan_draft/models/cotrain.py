@@ -4,8 +4,8 @@ The policy forward that computes the policy's loss also records the taps; the dr
 those detached features with the policy's detached logits as teacher (docs/DESIGN.md section 2).
 The draft owns its optimizer, learning rate and gradient clip, so nothing it does reaches the
 policy's update. The whole-batch layouts (one process, FSDP/TP/CP) and the warm-up collect the
-draft's rows as DraftFeatures and run `draft_backward` (micro-batched `draft_loss`); the pipeline's
-last stage calls `draft_loss` per microbatch. All step through one DraftOptimizer.
+draft's rows as DraftFeatures and run `draft_backward` (micro-batched `draft_step`); the pipeline's
+last stage runs `draft_step` per microbatch. All step through one DraftOptimizer.
 """
 import copy
 import math
@@ -80,12 +80,21 @@ def draft_backward(draft: EagleDraft, features: DraftFeatures, spec: CoTrainSpec
     total = torch.zeros((), device=features.emb.device)
     per_pass = torch.zeros(spec.ttt_steps, 3, dtype=torch.float64, device=features.emb.device)
     for index in microbatch_ranges(features.batch.document_lengths(), max_tokens, group=group):
-        with torch.set_grad_enabled(train):
-            loss, stats = draft_loss(draft, features.documents(index), spec, count=count, scale=scale)
-        if train:
-            (grad_scale * spec.loss_weight * loss).backward()
-        total, per_pass = total + loss.detach(), per_pass + stats
+        loss, stats = draft_step(draft, features.documents(index), spec, count=count, scale=scale, train=train,
+                                 grad_scale=grad_scale)
+        total, per_pass = total + loss, per_pass + stats
     return total, per_pass
+
+
+def draft_step(draft: EagleDraft, features: DraftFeatures, spec: CoTrainSpec, *, count: torch.Tensor,
+               scale: float = 1.0, train: bool = True, grad_scale: float = 1.0):
+    """draft_loss of `features`, backpropagated at once when `train` (times grad_scale x spec.loss_weight):
+    (the detached loss, the per-pass sums). One micro-batch of draft_backward, one pipeline microbatch."""
+    with torch.set_grad_enabled(train):
+        loss, per_pass = draft_loss(draft, features, spec, count=count, scale=scale)
+    if train:
+        (grad_scale * spec.loss_weight * loss).backward()
+    return loss.detach(), per_pass
 
 
 def valid_pairs(loss_mask: torch.Tensor, shift, ttt_steps: int) -> torch.Tensor:

@@ -169,18 +169,24 @@ class PolicyHead(nn.Linear):
 
 
 def token_outputs(model: nn.Module, batch: PackedBatch, request: HeadRequest) -> TokenOutputs:
-    """One forward of the policy over a packed batch, reduced by its head to what `request` asks.
+    """One forward of the policy over a packed batch, reduced by its head to what `request` asks."""
+    return head_outputs(lambda: model(batch.tokens[None], attention_masks=varlen_metadata(batch),
+                                      positions=batch.positions[None]), model.output, request)
+
+
+def head_outputs(forward: Callable[[], object], head: nn.Module, request: HeadRequest) -> TokenOutputs:
+    """What `request` asks of the LM head `head`, from `forward()`: a forward of the model (or of the
+    pipeline stage) that ends in that head.
 
     chunk_size > 0: inside the head (PolicyHead), never holding [rows, V] logits. 0: the full logits, then
     the same reduction (logits_token_outputs): the path for heads split by tensor parallelism."""
     if request.chunk_size == 0:
-        logits = forward_packed(model, batch)
+        logits = forward().flatten(0, -2)
         return logits_token_outputs(logits[request.rows], request.targets, teacher_ids=request.teacher_ids,
                                     teacher_rows=request.teacher_rows)
-    head = model.output
     head.request = request
     try:
-        fields = model(batch.tokens[None], attention_masks=varlen_metadata(batch), positions=batch.positions[None])
+        fields = forward()
     finally:
         head.request = None
     return TokenOutputs(*fields)

@@ -34,6 +34,16 @@ class TokenOutputs:
     teacher_logits: torch.Tensor | None  # [len(teacher_rows), len(teacher_ids)] logits[teacher_rows][:, teacher_ids]
     teacher_argmax: torch.Tensor | None  # [len(teacher_rows)] int64 argmax over the FULL vocabulary
 
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        """The tensors, the teacher's only when there is one (a pipeline stage's output is tensors only)."""
+        return tuple(t for t in (self.logprobs, self.entropy, self.teacher_logits, self.teacher_argmax)
+                     if t is not None)
+
+    @classmethod
+    def from_fields(cls, fields: tuple[torch.Tensor, ...]) -> "TokenOutputs":
+        """The inverse of fields()."""
+        return cls(*fields, *[None] * (4 - len(fields)))
+
 
 def linear_token_outputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          chunk_size: int = 0, teacher_ids: torch.Tensor | None = None,

@@ -48,10 +48,9 @@ class RolloutBatch:
         """The documents packed, trained on their response rows (packing.trained_rows)."""
         return pack_documents([row[:n] for row, n in zip(self.tokens, self.lengths.tolist())], self.prompt_lengths)
 
-    def rows(self, multiple: int = 1):
-        """Whole rows padded at their end to a multiple of `multiple` (the pipeline's layout): tokens
-        [N, W'], next tokens [N, W'] and the trained rows [N, W'] (the same rule as packed())."""
-        width = -(-self.tokens.shape[1] // multiple) * multiple
+    def rows(self, width: int):
+        """Whole rows padded at their end to `width` columns (the pipeline's layout): tokens [N, width],
+        next tokens [N, width] and the trained rows [N, width] (the same rule as packed())."""
         tokens = torch.nn.functional.pad(self.tokens, (0, width - self.tokens.shape[1]))
         return tokens, tokens.roll(-1, dims=1), trained_rows(self.prompt_lengths, self.lengths, width)
 
@@ -98,6 +97,10 @@ class PolicyHolder(Protocol):
 
     def forward_backward(self, rollouts: RolloutBatch) -> StepSums:
         """The GRPO loss's and the draft's TTT loss's forwards and backwards over this rank's rollouts."""
+
+    def draft_seconds(self) -> float:
+        """The draft's seconds of the step on draft_timer (its forward, backward and optimizer step; under
+        pipeline parallelism the last stage's, where the draft runs); the timer starts over."""
 
     def rollout_weights(self, with_draft: bool) -> tuple:
         """(policy, draft or None): modules whose state_dict() the rollout engine loads."""

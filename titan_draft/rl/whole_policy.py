@@ -2,7 +2,7 @@
 
 Its pipelined twin is rl/pipelined_policy.PipelinedPolicy; both are policy holders
 (step.PolicyHolder: parts, reference_parts, optimizer, forward_backward, rollout_weights,
-checkpoint_states, holds_draft, draft_timer), which is all train.train_step uses.
+checkpoint_states, holds_draft, draft_timer, draft_seconds), which is all train.train_step uses.
 
 Memory: the step runs in micro-batches of whole documents (rl.max_tokens_per_microbatch) whose
 gradients accumulate; the LM head reduces each micro-batch to per-row log-probs (in chunks with
@@ -151,6 +151,9 @@ class WholePolicy:
         batch = self._shard(rollouts.select(rollouts.drafted()).packed().to(self.draft.fc.weight.device))
         emb, taps, teachers = zip(*(piece for piece in pieces if piece is not None))
         return DraftFeatures(batch, torch.cat(emb), torch.cat(taps), Teacher.cat(teachers))
+
+    def draft_seconds(self) -> float:
+        return self.draft_timer.pop_seconds()
 
     def rollout_weights(self, with_draft: bool):
         return self.parts[0], self.draft if with_draft else None
