@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from titan_draft.models.policy import build_policy, forward_packed
-from titan_draft.rl.grpo import group_advantages, grpo_loss, next_token_logprobs
+from titan_draft.ops.linear_logprobs import logits_token_outputs
+from titan_draft.rl.grpo import group_advantages, grpo_loss
 from titan_draft.rl.step import RolloutBatch
 
 V, P, GROUP, N_PROMPTS, MAX_R = 12, 3, 4, 2, 5
@@ -60,7 +61,7 @@ def packed_rollouts(prompts, tokens, lengths):
 
 @pytest.mark.parametrize("off_policy", [False, True])
 def test_grpo_step_matches_hand_loss_and_gradient(off_policy):
-    """A bigram policy (logits = W[x_t]) through RolloutBatch.packed / next_token_logprobs / grpo_loss."""
+    """A bigram policy (logits = W[x_t]) through RolloutBatch.packed / logits_token_outputs / grpo_loss."""
     torch.manual_seed(0)
     prompts, tokens, lengths, rewards = rollouts(1)
     W = torch.randn(V, V, dtype=F64, requires_grad=True)
@@ -74,8 +75,8 @@ def test_grpo_step_matches_hand_loss_and_gradient(off_policy):
     # the product path
     batch = packed_rollouts(prompts, tokens, lengths)
     logits = W[batch.tokens]
-    logprobs = next_token_logprobs(logits, batch.tokens.roll(-1)).double()
-    ref_logprobs = next_token_logprobs(W_ref[batch.tokens], batch.tokens.roll(-1)).double()
+    logprobs = logits_token_outputs(logits, batch.tokens.roll(-1)).logprobs.double()
+    ref_logprobs = logits_token_outputs(W_ref[batch.tokens], batch.tokens.roll(-1)).logprobs.double()
     starts = batch.cu_seqlens[:-1].long().repeat_interleave(batch.cu_seqlens.diff().long())
     doc = torch.arange(len(tokens)).repeat_interleave(batch.cu_seqlens.diff().long())
     row_shift = shifts[doc, batch.positions] if off_policy else torch.zeros_like(logprobs)
@@ -106,7 +107,7 @@ def test_grpo_step_matches_hand_loss_and_gradient(off_policy):
         hand_grad[it["x"]] += dlogp / N * d_row
         clipped += abs(float(ratio) - 1) > CLIP
 
-    # next_token_logprobs and group_advantages compute in float32 (logits.float(), rewards.float()),
+    # group_advantages computes in float32 (rewards.float()),
     # so the float64 hand values agree to float32 precision.
     torch.testing.assert_close(loss, torch.as_tensor(hand_loss, dtype=F64), rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(grad, hand_grad, rtol=1e-5, atol=1e-7)
@@ -122,14 +123,14 @@ def test_grpo_step_matches_hand_loss_and_gradient(off_policy):
 
 
 def test_grpo_on_tiny_policy_equals_hand_loss_from_its_logits():
-    """The real packed policy: grpo_loss over next_token_logprobs equals the hand formula applied to its
+    """The real packed policy: grpo_loss over logits_token_outputs' log-probs equals the hand formula applied to its
     logits row by row (row t of a document scores token t+1), parameter gradients included."""
     policy = build_policy("llama3", "tiny_gqa", 32, seed=0)
     prompts, tokens, lengths, rewards = rollouts(2)
     batch = packed_rollouts(prompts, tokens, lengths)
     logits = forward_packed(policy, batch)
     old_shift = torch.linspace(-0.4, 0.4, batch.num_tokens)
-    logprobs = next_token_logprobs(logits, batch.tokens.roll(-1))
+    logprobs = logits_token_outputs(logits, batch.tokens.roll(-1)).logprobs
     row_adv = group_advantages(rewards, GROUP).repeat_interleave(batch.cu_seqlens.diff().long())
     loss, _ = grpo_loss(logprobs, logprobs.detach() - old_shift, row_adv, batch.loss_mask, CLIP,
                         logprobs.detach() + 0.1, KL)

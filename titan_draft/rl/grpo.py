@@ -1,6 +1,5 @@
 """GRPO: group-relative advantages and the clipped, token-level policy-gradient loss (docs/DESIGN.md section 6)."""
 import torch
-import torch.nn.functional as F
 
 from titan_draft.ops.linear_logprobs import TokenOutputs
 
@@ -9,11 +8,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     """(r - mean of its group) / (std of its group + eps); rewards [N] ordered group by group."""
     r = rewards.float().view(-1, group_size)
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).flatten()
-
-
-def next_token_logprobs(logits: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-    """log p(next_tokens[t]) under logits [T, V] for every row t [T], in float32."""
-    return -F.cross_entropy(logits.float(), next_tokens, reduction="none")
 
 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
