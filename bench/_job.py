@@ -12,7 +12,8 @@ from titan_draft.infra.io import atomic_directory
 from titan_draft.infra.metrics import MetricsLogger
 from titan_draft.job import Job, build_job, warm_start
 from titan_draft.models.cotrain import DraftOptimizer
-from titan_draft.parallel.parallelize import init_process_group
+from titan_draft.infra import _compat
+from titan_draft.parallel.parallelize import fsdp_wraps, init_process_group
 from titan_draft.plan import build_parallel_dims, build_plan
 
 
@@ -44,9 +45,10 @@ def new_job(cfg, dump_folder: str) -> tuple[Job, DraftOptimizer]:
     """(job, draft optimizer) of `cfg` in one process, as train.py builds them (initial weights: random
     unless the config loads some), logging to `dump_folder`."""
     plan = build_plan(cfg, 1)
-    if not dist.is_initialized():  # train.py's group of one: FSDP's one-rank mesh under bf16 needs it
-        init_process_group(cfg)
-    job = build_job(cfg, MetricsLogger(dump_folder, tensorboard=False), plan=plan, dims=build_parallel_dims(plan))
+    dims = build_parallel_dims(plan)
+    if fsdp_wraps(dims, cfg.training.mixed_precision_param, _compat.device()) and not dist.is_initialized():
+        init_process_group(cfg)  # train.py's group of one, which FSDP's one-rank mesh needs (GPUs, bf16)
+    job = build_job(cfg, MetricsLogger(dump_folder, tensorboard=False), plan=plan, dims=dims)
     return job, DraftOptimizer(job.draft, cfg.draft)
 
 
