@@ -87,10 +87,11 @@ PHASES = ("rollout", "train")
 MEMORY_KEYS = [f"{kind}_gib_{phase}" for phase in PHASES for kind in ("peak", "reserved")]
 
 
-def most_prompts(fits, start: int, cap: int) -> int:
+def most_prompts(fits, start: int, cap: int, resolution: int = 1) -> int:
     """The most prompts p in 1..cap with fits(p), or 0 when one does not fit; fits must be monotone (what
     fits, fits with fewer). Doubling from `start` (up while it fits, down while it does not), then
-    bisection between the last fit and the first failure."""
+    bisection between the last fit and the first failure until they are `resolution` prompts apart
+    (1: the exact most; more: a lower bound within that many prompts, in fewer probes)."""
     p = max(1, min(start, cap))
     if fits(p):
         fit, fail = p, None
@@ -106,7 +107,7 @@ def most_prompts(fits, start: int, cap: int) -> int:
                 return 0
             p = fail // 2
             fit, fail = (p, fail) if fits(p) else (None, p)
-    while fail - fit > 1:
+    while fail - fit > resolution:
         p = (fit + fail) // 2
         fit, fail = (p, fail) if fits(p) else (fit, p)
     return fit
@@ -254,11 +255,15 @@ def parse_args():
     p.add_argument("--limit-gib", type=float, help="a probe fits when both phases' allocated peaks are at most "
                    "this (default: the device's memory)")
     p.add_argument("--max-rollouts", type=int, help="the most rollouts probed (default: the preset's)")
+    p.add_argument("--resolution", type=int, default=1, help="prompts between the answer and the smallest "
+                   "size that failed at which the search stops (default 1: the exact most; e.g. 8 probes less)")
     p.add_argument("--out", help="JSON output path (default bench/results/memory_table_<preset>.json)")
     p.add_argument("--resume", action="store_true", help="take the probes of --out when it holds this run's settings")
     args = p.parse_args()
     preset = resolve_preset(args, PRESETS)
     args.max_rollouts = args.max_rollouts or preset["max_rollouts"]
+    if args.resolution < 1:
+        p.error(f"--resolution: {args.resolution} must be >= 1 (prompts)")
     args.out = args.out or os.path.join(REPO_ROOT, "bench", "results", f"memory_table_{args.preset}.json")
     return p, args
 
@@ -289,7 +294,7 @@ class TableRun:
         self.a, self.overrides, self.group, self.start, self.cap = a, overrides, group, start, cap
         self.dump_folder, self.lock = dump_folder, threading.Lock()
         run = {"preset": a.preset, "config": os.path.relpath(a.config, REPO_ROOT), "overrides": a.overrides,
-               "limit_gib": a.limit_gib, "max_rollouts": a.max_rollouts}
+               "limit_gib": a.limit_gib, "max_rollouts": a.max_rollouts, "resolution": a.resolution}
         self.report = {"run": run, "draft_mode": "cotrain", "group_size": group, "start_prompts": start,
                        "table": {}, "probes": {}}
         if a.resume and os.path.isfile(a.out):
@@ -314,12 +319,15 @@ class TableRun:
             return done[prompts]["fits"]
 
         try:
-            best = most_prompts(fits, self.start, self.cap)
+            best = most_prompts(fits, self.start, self.cap, self.a.resolution)
         finally:
             process.close()
         at_best = done.get(best, {})
+        failed = [prompts for prompts, record in done.items() if not record["fits"] and prompts > best]
+        fails_at = min(failed) * self.group if failed else None
         row = {"levers_off": list(LEVER_SETS[name]), "max_rollouts": best * self.group, "max_prompts": best,
-               "capped": best == self.cap, **{key: at_best.get(key) for key in MEMORY_KEYS}, "probes": len(done)}
+               "fails_at_rollouts": fails_at, "capped": best == self.cap,
+               **{key: at_best.get(key) for key in MEMORY_KEYS}, "probes": len(done)}
         with self.lock:
             table = {**self.report["table"], name: row}
             self.report["table"] = {key: table[key] for key in LEVER_SETS if key in table}
@@ -394,6 +402,8 @@ def print_table(report: dict) -> None:
     print(f"{'lever set':<29} {'rollouts':>8}  peak GiB allocated / reserved at that size{'':<14} {'probes':>6}")
     for name, row in report["table"].items():
         most = f"{row['max_rollouts']}{'+' if row['capped'] else ''}"
+        if row["fails_at_rollouts"] and row["fails_at_rollouts"] > row["max_rollouts"] + report["group_size"]:
+            most += f" (< {row['fails_at_rollouts']})"
         print(f"{name:<29} {most:>8}  {memory(row):<56} {row['probes']:>6}")
     print("(+: every probe fitted, up to --max-rollouts)")
 

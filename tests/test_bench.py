@@ -144,20 +144,21 @@ def test_linear_logprobs_bench_tiny(tmp_path):
 def test_memory_table_search_doubles_then_bisects():
     from bench.memory_table import most_prompts
 
-    def search(limit: int, start: int, cap: int) -> tuple[int, list[int]]:
+    def search(limit: int, start: int, cap: int, resolution: int = 1) -> tuple[int, list[int]]:
         probed = []
 
         def fits(prompts: int) -> bool:
             probed.append(prompts)
             return prompts <= limit
 
-        return most_prompts(fits, start, cap), probed
+        return most_prompts(fits, start, cap, resolution), probed
 
     assert search(75, 8, 512) == (75, [8, 16, 32, 64, 128, 96, 80, 72, 76, 74, 75])  # up, then bisection
     assert search(5, 64, 512) == (5, [64, 32, 16, 8, 4, 6, 5])  # down, then bisection
     assert search(1000, 8, 100) == (100, [8, 16, 32, 64, 100])  # the cap
     assert search(1000, 64, 10) == (10, [10])  # a start past the cap
     assert search(0, 8, 512) == (0, [8, 4, 2, 1])  # nothing fits
+    assert search(75, 8, 512, resolution=8) == (72, [8, 16, 32, 64, 128, 96, 80, 72])  # within 8: 3 probes less
     for limit in range(0, 20):  # every case: the right answer, no probe twice, at most ~2 log2(cap) probes
         for start in range(1, 20):
             for cap in range(1, 20):
@@ -209,6 +210,7 @@ def test_memory_table_tiny_probes_end_to_end(tmp_path):
                                                         "activation_checkpoint", "release_caches"]
     for name, row in report["table"].items():
         assert (row["max_rollouts"], row["max_prompts"], row["capped"], row["probes"]) == (16, 4, True, 1)
+        assert row["fails_at_rollouts"] is None
         (probe,) = report["probes"][name]
         assert (probe["prompts"], probe["rollouts"], probe["fits"], probe["oom"]) == (4, 16, True, None)
         assert 0 < probe["tokens_per_rollout"] <= 16 and probe["seconds"] > 0  # training.seq_len = 16
