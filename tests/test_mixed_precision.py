@@ -1,7 +1,9 @@
 """Mixed precision in one process, the torchtitan way: FSDP2's MixedPrecisionPolicy over a mesh of one
 rank casts the parameters (parallelize.fsdp_wraps), where autocast would feed float32 RMSNorm weights
 bf16 activations (torch then warns "Mismatch dtype between input and weight" and leaves its fused
-kernel). The CPU computes in float32 (parallelize.compute_dtype); the worker gives it a GPU's bf16."""
+kernel). The CPU computes in float32 (parallelize.compute_dtype); the workers give it a GPU's bf16.
+Such a job also checkpoints, resumes and exports its draft as before."""
+import json
 import os
 import sys
 import warnings
@@ -77,3 +79,46 @@ def test_one_process_mixed_precision_is_fsdp_without_dtype_mismatch():
     metrics = result["metrics"]
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values() if isinstance(v, float))
     assert metrics["kl_to_start"] == 0.0  # the reference (FSDP-wrapped like the policy) equals it at the start
+
+
+def bf16_job_runs(rank, world_size, dump_folder: str, steps: list[int]):
+    """train.run of a short bf16 job (checkpoint every step) once per entry of `steps` (training.steps; a
+    later run resumes the earlier's checkpoint); the draft's full weights at the end."""
+    from titan_draft import train
+    from titan_draft.config import parse_config
+    from titan_draft.infra.io import full_state_dict
+    from titan_draft.parallel import parallelize
+    from titan_draft.plan import build_parallel_dims, build_plan
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    parallelize.compute_dtype = lambda param_dtype, device: TORCH_DTYPE_MAP[param_dtype]  # as on a GPU
+    jobs, build_job = [], train.build_job
+    train.build_job = lambda *args, **kwargs: jobs.append(build_job(*args, **kwargs)) or jobs[-1]  # keep the draft
+    for total in steps:
+        cfg = parse_config([*SHORT_JOB, "--job.dump_folder", dump_folder, "--training.steps", str(total)])
+        plan = build_plan(cfg, world_size)
+        train.run(cfg, plan=plan, dims=build_parallel_dims(plan))
+    return {name: value.float() for name, value in full_state_dict(jobs[-1].draft).items()}
+
+
+SHORT_JOB = [*JOB, "--rl.sft_steps", "4", "--draft.warmup_steps", "2", "--rl.sft_batch_size", "8",
+             "--checkpoint.enable", "--checkpoint.interval", "1", "--metrics.no-enable-tensorboard"]
+
+
+def test_one_process_bf16_job_checkpoints_resumes_and_exports(tmp_path):
+    """The FSDP-wrapped one-process job saves its checkpoints (sharded tensors of one rank), resumes from
+    them, and export_draft reads the draft back into a plain module: the exported weights are the job's."""
+    from safetensors.torch import load_file
+
+    from titan_draft.cli.export_draft import main as export_draft_main
+
+    (draft,) = run_distributed(bf16_job_runs, 1, str(tmp_path), [1, 2], timeout=600)
+    checkpoints = sorted(os.listdir(tmp_path / "checkpoint"))
+    assert checkpoints[-1] == "step-4"  # SFT 1, warm-up 2, RL steps 3 (first run) and 4 (resumed)
+    phases = [json.loads(line)["phase"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert phases == ["sft"] * 4 + ["draft_warmup"] * 2 + ["rl"] * 2  # the second run resumed, no SFT again
+    export_draft_main(["--checkpoint", str(tmp_path / "checkpoint"), "--output", str(tmp_path / "draft"),
+                       "--engine", "vllm", *SHORT_JOB])
+    exported = load_file(tmp_path / "draft" / "model.safetensors")
+    torch.testing.assert_close(exported["lm_head.weight"].float(), draft["lm_head.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(exported["fc.weight"].float(), draft["fc.weight"], rtol=0, atol=0)
