@@ -2,7 +2,7 @@
 rank casts the parameters (parallelize.fsdp_wraps), where autocast would feed float32 RMSNorm weights
 bf16 activations (torch then warns "Mismatch dtype between input and weight" and leaves its fused
 kernel). The CPU computes in float32 (parallelize.compute_dtype); the workers give it a GPU's bf16.
-Such a job also checkpoints, resumes and exports its draft as before."""
+Such a job also checkpoints, resumes and exports its draft."""
 import json
 import os
 import sys
