@@ -5,7 +5,7 @@ Pipeline layouts (PP x FSDP2 with 1F1B and Interleaved1F1B, CP x PP, TP x PP) ru
 step through the pipeline schedule: each rank holds some stages' gradients (the draft's on the last
 stage), together they are every gradient. The memory levers under PP (a chunked LM head, groups of
 rows as schedule steps, the draft on drawn documents) equal the one-process step: each alone on
-2 stages in float64, all together on PP x FSDP2."""
+2 stages in float64 (row groups also on Interleaved1F1B), all together on PP x FSDP2."""
 import os
 import sys
 
@@ -276,6 +276,9 @@ LEVER_CASES = {  # 2 stages; (the step's own settings, the levers): rollouts of 
     # one row per microbatch, at most 70 // 11 = 6 per schedule step: 9 rows in 2 steps of 6 microbatches,
     # the second of 3 rows and 3 empty ones
     "row_groups": (NINE_ROLLOUTS, ["--rl.max_tokens_per_microbatch", "70"]),
+    # the same on Interleaved1F1B: two stages per rank, loop-placed
+    "interleaved_row_groups": (NINE_ROLLOUTS, ["--rl.max_tokens_per_microbatch", "70",
+                                               "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
     "drawn_documents": (HALF_DRAWN, ["--parallelism.pipeline_parallel_microbatch_size", "2"]),
 }
 
@@ -296,7 +299,7 @@ def test_pipeline_memory_levers_equal_single_process_in_float64(monkeypatch):
             metrics, grads, _, schedule_steps, microbatches = per_rank[name]
             assert_same_float64(reference, (metrics, grads))
             union.update(grads)
-            assert (schedule_steps, microbatches) == ((2, 6) if name == "row_groups" else (1, 4)), name
+            assert (schedule_steps, microbatches) == ((2, 6) if name.endswith("row_groups") else (1, 4)), name
         assert union.keys() == reference[1].keys(), name  # every gradient was compared
 
 
