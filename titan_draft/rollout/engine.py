@@ -229,7 +229,7 @@ class RolloutEngine:
         self.graphs = StepGraphs(options.cuda_graphs and self.device.type == "cuda", self._rng)
         self.controller = GoodputController(self.max_k)
         self._measured: set[tuple] = set()  # (rows, K, temperature, top_p) of adaptive calls measured
-        self.draft_prefill_s_per_token = 0.0  # the draft's trunk over prompts (measure_steps)
+        self.draft_prefill_s_per_token = 0.0  # the draft's trunk over prompts (_measure_call)
         self.buffer_rows = self.slots = 0  # the state buffers' rows and cache slots (none yet)
 
         self._draft_extend, self._draft_pass = self.model.draft_extend, self.model.draft_pass
@@ -531,19 +531,25 @@ class RolloutEngine:
                 costs[bucket, k] = sorted(seconds)[len(seconds) // 2]
                 self.controller.observe_cost(bucket, k, costs[bucket, k])
         self._counts.staged.zero_()
-        if self.draft is not None:
-            self.draft_prefill_s_per_token = self._measure_draft_prefill(B0, length, width, repeats) / (B0 * length)
         return costs
 
-    def _measure_draft_prefill(self, B: int, P: int, width: int, repeats: int) -> float:
-        """Median seconds of the draft's trunk over B dummy prompts of P tokens, as prefill runs it (what
-        a drafting call adds to plain decoding's prefill; the first run compiles or warms up)."""
+    def _measure_draft_prefill(self, B: int, P: int) -> float:
+        """Median seconds per prompt token of the draft's trunk over B dummy prompts of P tokens, as
+        prefill runs it (what a drafting call adds to plain decoding's prefill; the first run compiles
+        or warms up). Its inputs are the size of the prefill's own taps."""
+        width = cache_width(self.slots, P)
         next_emb = self.policy.tok_embeddings(self._tokens[:B, 1:P + 1])
         taps = torch.zeros(B, P, self._staged_taps.shape[-1], dtype=self.dtype, device=self.device)
         start, count = (torch.full((B,), n, dtype=torch.long, device=self.device) for n in (0, P))
         seconds = [timed(lambda: self._draft_extend(next_emb, taps, start, count, width), self.device)[0]
-                   for _ in range(repeats + 1)]
-        return sorted(seconds[1:])[repeats // 2]
+                   for _ in range(MEASURED_STEPS + 1)]
+        return sorted(seconds[1:])[MEASURED_STEPS // 2] / (B * P)
+
+    def _measure_call(self, B: int, K: int, temperature: float, top_p: float, P: int) -> None:
+        """What adaptive K reads, measured once per batch size before a call's prefill: every step shape
+        (measure_steps, at the prompts' length) and the draft's prefill over the prompts."""
+        self.measure_steps(B, K, temperature, top_p, P)
+        self.draft_prefill_s_per_token = self._measure_draft_prefill(B, P)
 
     def _compact(self, B: int, bucket: int) -> None:
         """Move the running rows (in order, then finished ones to fill the bucket) to slots
@@ -574,7 +580,7 @@ class RolloutEngine:
         self.reserve(B, total + self.max_k + 1)
         seed_device = generator.device if generator is not None else "cpu"
         if adaptive and (B, K, temperature, top_p) not in self._measured:
-            timing["measure_s"], _ = timed(lambda: self.measure_steps(B, K, temperature, top_p, P), self.device)
+            timing["measure_s"], _ = timed(lambda: self._measure_call(B, K, temperature, top_p, P), self.device)
             self._measured.add((B, K, temperature, top_p))
         drafts = K  # the call's most drafts per step: 0 runs plain decoding (no draft prefill, no taps kept)
         if adaptive:
