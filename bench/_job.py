@@ -8,11 +8,11 @@ import torch.distributed as dist
 
 from bench._common import REPO_ROOT, timed
 from titan_draft.config import parse_config, validate
+from titan_draft.infra import _compat
 from titan_draft.infra.io import atomic_directory
 from titan_draft.infra.metrics import MetricsLogger
 from titan_draft.job import Job, build_job, warm_start
 from titan_draft.models.cotrain import DraftOptimizer
-from titan_draft.infra import _compat
 from titan_draft.parallel.parallelize import fsdp_wraps, init_process_group
 from titan_draft.plan import build_parallel_dims, build_plan
 

@@ -14,9 +14,10 @@
 - Context parallel (cp): the RL step shards each packed batch with titan_draft.parallel's
   apply_context_parallel (train.py); warm starts run whole batches on every rank.
 - FSDP2: torchtitan's apply_fsdp for the policy, fully_shard for the draft, over dp_shard x cp
-  (torchtitan's "fsdp" mesh). Gradients are AVERAGED over the loss mesh (dp x cp: FSDP's divide
-  factor; torchtitan turns division off), so a warm start that gives every rank the same batch is
-  exact; RL losses normalised by counts over the loss mesh are multiplied by `loss_scale` to make
+  (torchtitan's "fsdp" mesh), or in one process training in bf16 over a mesh of its one rank, so
+  that FSDP's MixedPrecisionPolicy casts the parameters there too (`fsdp_wraps`). Gradients are
+  AVERAGED over the loss mesh (dp x cp: FSDP's divide factor; torchtitan turns division off), so a
+  warm start that gives every rank the same batch is exact; RL losses normalised by counts over the loss mesh are multiplied by `loss_scale` to make
   the average the sum they need (context-parallel ranks hold disjoint rows of the same documents).
 """
 import contextlib
