@@ -17,8 +17,9 @@
   (torchtitan's "fsdp" mesh), or in one process training in bf16 over a mesh of its one rank, so
   that FSDP's MixedPrecisionPolicy casts the parameters there too (`fsdp_wraps`). Gradients are
   AVERAGED over the loss mesh (dp x cp: FSDP's divide factor; torchtitan turns division off), so a
-  warm start that gives every rank the same batch is exact; RL losses normalised by counts over the loss mesh are multiplied by `loss_scale` to make
-  the average the sum they need (context-parallel ranks hold disjoint rows of the same documents).
+  warm start that gives every rank the same batch is exact; RL losses normalised by counts over the
+  loss mesh are multiplied by `loss_scale` to make the average the sum they need (context-parallel
+  ranks hold disjoint rows of the same documents).
 """
 import contextlib
 import datetime
