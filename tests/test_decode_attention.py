@@ -13,9 +13,10 @@ import torch
 
 # (rows, queries per row, q heads, kv heads, head_dim, cache slots, width): GQA groups of 1, 2 and 3,
 # a head_dim that is not a power of two, widths over several key blocks and chunks, fewer slots than a block.
+# One (row, kv head) pair: the most chunks (MAX_SPLITS caps them; 36 here, not a power of two).
 # The last: enough (row, kv head) pairs for one chunk per row (no merge kernel).
 SHAPES = [(3, 1, 4, 2, 16, 200, 200), (2, 5, 6, 2, 20, 150, 130), (4, 3, 4, 4, 8, 40, 40), (1, 4, 16, 8, 32, 700, 600),
-          (34, 2, 16, 8, 16, 90, 80)]
+          (1, 2, 2, 1, 16, 5000, 4500), (34, 2, 16, 8, 16, 90, 80)]
 
 
 def largest_error(device, dtype) -> float:

@@ -25,6 +25,8 @@ import triton.language as tl
 BLOCK_N = 64
 # Programs to aim for: about two per streaming multiprocessor of an H100/H200 (132).
 TARGET_PROGRAMS = 264
+# Chunks per (row, kv head) at most: the merge holds one query's chunk outputs in one tile.
+MAX_SPLITS = 64
 
 
 def decode_attention_reference(q, k_cache, v_cache, positions, scale: float | None = None):
@@ -93,34 +95,31 @@ def _chunk_attention(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, lse_ptr, o_ptr, scal
     else:
         lse = tl.where(seen, running_max + tl.log(tl.where(seen, denominator, 1.0)), float("-inf"))
         part = (b * tl.num_programs(1) + kv) * splits + split
-        tl.store(out_ptr + part * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :], out)
-        tl.store(lse_ptr + part * BLOCK_M + m, lse)
+        tl.store(out_ptr + part * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :], out, mask=live[:, None])
+        tl.store(lse_ptr + part * BLOCK_M + m, lse, mask=live)
 
 
 @triton.jit
-def _merge_chunks(part_out_ptr, part_lse_ptr, o_ptr, S, splits, stride_ob, stride_os, stride_oh,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One (row b, kv head): the chunks' outputs weighted by exp(chunk lse - total lse), into o."""
-    b, kv = tl.program_id(0), tl.program_id(1)
-    m = tl.arange(0, BLOCK_M)
+def _merge_chunks(part_out_ptr, part_lse_ptr, o_ptr, splits, stride_ob, stride_os, stride_oh,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_SPLITS: tl.constexpr):
+    """One (row b, kv head, query m = s * GROUP + g): the chunks' outputs for that query weighted by
+    exp(chunk lse - total lse), into o. All of the query's chunks form one tile: two loads and no
+    loop, over the rows that are queries only."""
+    b, kv, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s, g = m // GROUP, m % GROUP
+    c = tl.arange(0, BLOCK_SPLITS)
     d = tl.arange(0, BLOCK_D)
-    first = (b * tl.num_programs(1) + kv) * splits
-    compute = part_lse_ptr.dtype.element_ty  # float32, or float64 for float64 inputs
-    top = tl.full([BLOCK_M], float("-inf"), compute)
-    for split in range(splits):
-        top = tl.maximum(top, tl.load(part_lse_ptr + (first + split) * BLOCK_M + m))
-    top = tl.where(top == float("-inf"), 0.0, top)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], compute)
-    total = tl.zeros([BLOCK_M], compute)
-    for split in range(splits):
-        weight = tl.exp(tl.load(part_lse_ptr + (first + split) * BLOCK_M + m) - top)
-        part = tl.load(part_out_ptr + (first + split) * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :])
-        acc += weight[:, None] * part
-        total += weight
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(o_ptr + b * stride_ob + s[:, None] * stride_os + (kv * GROUP + g)[:, None] * stride_oh + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=(s < S)[:, None] & (d < HEAD_DIM)[None, :])
+    live = c < splits
+    part = (b * tl.num_programs(1) + kv) * splits + c
+    lse = tl.load(part_lse_ptr + part * BLOCK_M + m, mask=live, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # (a query that sees no slot: all 0)
+    outs = tl.load(part_out_ptr + (part * BLOCK_M + m)[:, None] * BLOCK_D + d[None, :], mask=live[:, None], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * outs, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + b * stride_ob + s * stride_os + (kv * GROUP + g) * stride_oh + d,
+             out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @torch.library.custom_op("titan_draft::decode_attention", mutates_args=())
@@ -136,7 +135,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = Hq // Hkv
     block_m = max(16, triton.next_power_of_2(S * group))  # tl.dot's smallest tile
     block_d = max(16, triton.next_power_of_2(D))
-    wanted = max(1, TARGET_PROGRAMS // (B * Hkv))
+    wanted = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // (B * Hkv)))
     chunk = BLOCK_N * triton.cdiv(triton.cdiv(width, wanted), BLOCK_N)
     splits = triton.cdiv(width, chunk)
     out = torch.empty_like(q)
@@ -153,8 +152,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_KEYS=BLOCK_N, IEEE=q.dtype == torch.float32,
         DIRECT=direct)
     if not direct:
-        _merge_chunks[(B, Hkv)](parts, lse, out, S, splits, out.stride(0), out.stride(1), out.stride(2),
-                                GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=block_d)
+        _merge_chunks[(B, Hkv, S * group)](parts, lse, out, splits, out.stride(0), out.stride(1), out.stride(2),
+                                           GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=block_d,
+                                           BLOCK_SPLITS=triton.next_power_of_2(splits))
     return out
 
 
