@@ -21,8 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.llama3.model.model import apply_rotary_emb, precompute_freqs_cis
+from torchtitan.models.llama3.model.model import precompute_freqs_cis
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+from titan_draft.models.rope import rotate_pairs
 
 
 @dataclass
@@ -144,7 +146,7 @@ class EagleDraft(nn.Module):
         q = attn.q_proj(x).view(1, T, -1, a.head_dim)
         k = attn.k_proj(x).view(1, T, -1, a.head_dim)
         v = attn.v_proj(x).view(1, T, -1, a.head_dim)
-        q, k = apply_rotary_emb(q, k, self.freqs_cis, positions=positions[None])
+        q, k = rotate_pairs(q, k, self.freqs_cis, positions[None])
         return q[0], k[0], v[0]
 
     def complete(self, attn_out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

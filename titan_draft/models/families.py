@@ -17,7 +17,6 @@ import torch
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs, llama3_args
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.models.llama3.model.model import FeedForward as Llama3FeedForward
-from torchtitan.models.llama3.model.model import apply_rotary_emb as llama3_rotary_emb
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs, qwen3_args
 from torchtitan.models.qwen3.model.model import apply_rotary_emb as qwen3_rotary_emb
@@ -25,6 +24,7 @@ from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapt
 
 from titan_draft.infra.errors import ConfigError
 from titan_draft.infra.io import read_json
+from titan_draft.models.rope import rotate_pairs
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class ModelFamily:
     flavors: dict
     """torchtitan's registry of named flavors ("debugmodel", "8B", ...); never mutate its entries."""
     apply_rotary_emb: Callable
-    """torchtitan's apply_rotary_emb(xq, xk, rope_table, positions) of this family."""
+    """apply_rotary_emb(xq, xk, rope_table, positions) of this family as torchtitan computes it (llama3:
+    models/rope.rotate_pairs, torchtitan's complex products on real numbers, which torch.compile fuses)."""
     rope_buffer: str
     """Name of the model's precomputed RoPE table buffer."""
     adapter_cls: type
@@ -147,7 +148,7 @@ def _qwen3_args_from_hf(config: dict, source: str) -> Qwen3ModelArgs:
 FAMILIES = {
     "llama3": ModelFamily(
         name="llama3", model_cls=Transformer, args_cls=TransformerModelArgs, flavors=llama3_args,
-        apply_rotary_emb=llama3_rotary_emb, rope_buffer="freqs_cis", adapter_cls=Llama3StateDictAdapter,
+        apply_rotary_emb=rotate_pairs, rope_buffer="freqs_cis", adapter_cls=Llama3StateDictAdapter,
         hf_architectures=("LlamaForCausalLM",), hf_model_type="llama", args_from_hf=_llama3_args_from_hf),
     "qwen3": ModelFamily(
         name="qwen3", model_cls=Qwen3Model, args_cls=Qwen3ModelArgs, flavors=qwen3_args,
