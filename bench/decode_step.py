@@ -10,9 +10,10 @@ Per batch size B, as the engine runs them (CUDA graphs on CUDA), side by side in
   B rows, and the live KV cache: B rows x `--context` positions) over the read bandwidth measured
   in the same run (`x.sum()` over a buffer of the weights' size, best of 10).
 Each engine variant (`--variants`: eager kernels, or the blocks compiled by torch.compile) is
-timed on the same shapes; with --profile, one step of each kind is split into its kernels by kind
-(GEMMs, attention, norms, compiled Triton, sampling, indexing, ...) and the time the GPU idles
-between them, from torch.profiler over graph replays.
+timed on the same shapes; with --profile, a plain step, a verify step and the whole step (drafting
+included) at the largest K are each split into their kernels by kind (GEMMs, attention, norms,
+compiled Triton, sampling, indexing, ...) and the time the GPU idles between them, from
+torch.profiler over graph replays.
 
 Weights are the preset's random initialisation: a step's cost does not depend on their values.
 
@@ -36,6 +37,7 @@ from titan_draft.parallel.parallelize import compute_dtype
 from titan_draft.plan import build_plan
 from titan_draft.rollout import EngineOptions, RolloutEngine
 from titan_draft.rollout.cached_model import cache_width
+from titan_draft.rollout.engine import StepShape
 from titan_draft.rollout.sampling import sample_from_logits
 
 PRESETS = {
@@ -134,10 +136,17 @@ def captured(engine: RolloutEngine, key: tuple, fn):
     return steps[key]
 
 
+def whole_step(engine: RolloutEngine, batch: int):
+    """The engine's captured decode step of `batch` rows with max_k drafts (measure_steps captures
+    it), or None (no CUDA graphs)."""
+    return next((call for key, call in engine.graphs.steps.items()
+                 if isinstance(key, StepShape) and key.full == key.rows == batch and key.k == engine.max_k), None)
+
+
 def kernel_profile(call, engine: RolloutEngine, replays: int = 10) -> dict | None:
     """One captured call split by kernel kind: {kind: {"ms", "kernels"}} per call, the call's time
     (graph replays back to back) and `idle_ms`, the part of it with no kernel running; None off CUDA."""
-    if engine.device.type != "cuda":
+    if engine.device.type != "cuda" or call is None:
         return None
     from torch.profiler import ProfilerActivity, profile
 
@@ -206,7 +215,8 @@ def measure(cfg, models, a, batch: int, variant: str, bandwidth: float | None) -
     if a.profile:
         target = partial(target_step, engine, batch, context=a.context, temperature=T)
         row["profile"] = {"plain": kernel_profile(target(0), engine),
-                          f"verify K={engine.max_k}": kernel_profile(target(engine.max_k), engine)}
+                          f"verify K={engine.max_k}": kernel_profile(target(engine.max_k), engine),
+                          f"whole step K={engine.max_k}": kernel_profile(whole_step(engine, batch), engine)}
     return row
 
 

@@ -88,7 +88,7 @@ def test_rollout_speedup_bench_smoke(tmp_path):
 
 def test_decode_step_bench_smoke(tmp_path):
     out = tmp_path / "decode_step.json"
-    run_bench("bench.decode_step", "--preset", "smoke", "--out", str(out))
+    run_bench("bench.decode_step", "--preset", "smoke", "--out", str(out), "--profile")
     report = json.loads(out.read_text())
     assert [(row["variant"], row["batch"]) for row in report["rows"]] == [("eager", 1), ("eager", 4)]
     k_max = len(report["rows"][0]["decode_step_ms"]) - 1
@@ -99,6 +99,8 @@ def test_decode_step_bench_smoke(tmp_path):
             k: ms / row["plain_step_ms"] for k, ms in verify.items()}
         # every weight but the embedding table, its B rows, B x context positions of keys and values
         assert row["plain_step_bytes"] > report["weight_bytes"] // 2
+        # kernel profiles need CUDA (torch.profiler's device times of graph replays)
+        assert row["profile"] == {"plain": None, f"verify K={k_max}": None, f"whole step K={k_max}": None}
 
 
 def test_branch_attention_bench_rows(tmp_path):
