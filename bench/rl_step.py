@@ -6,13 +6,17 @@ One job config: a preset's TOML of train_configs/ plus overrides. The job's warm
 (titan_draft.job.build_job + warm_start; --warm-start DIR saves it there, or loads it when DIR holds
 one); then every mode steps its own copy of the trained policy, draft, draft optimizer and data
 streams, in turn (none frozen cotrain none frozen cotrain ...: drifts of the machine hit all modes
-alike). The real-size presets (qwen3_*) hold one mode's training state on the device at a time: each
-mode runs all its steps from the warm start, which waits in host memory, before the next begins
-(--modes splits them over separate runs of one saved warm start). A step is titan_draft.train's collect_rollouts + train_step,
-timed end to end. The first --skip steps of each mode are left out of the time statistics
+alike). The real-size presets (qwen3_*), and --one-state, hold one mode's training state on the
+device at a time: each mode runs all its steps from the warm start, which waits in host memory,
+before the next begins (--modes splits them over separate runs of one saved warm start). A step is
+titan_draft.train's collect_rollouts + train_step, timed end to end. The first --skip steps of each mode are left out of the time statistics
 (allocation, CUDA graph capture, the adaptive-K controller's first cost measurements); rewards are
 reported for every step. The draft's share of the RL train time is train_step's own draft_time_s
-(the draft's forward, backward and optimizer step) over its train_time_s.
+(the draft's forward, backward and optimizer step) over its train_time_s. The policy's part of the
+train time (train_time_s - draft_time_s) is also given as model FLOP/s: 6 x the blocks' parameters
+per packed token plus 6 x the output head's per response token (the head runs on response rows
+only), over that time; recomputation under activation checkpointing is not counted. On CUDA,
+`policy_train_mfu` divides it by the device's bf16 dense peak (torchtitan's get_peak_flops).
 
   python -m bench.rl_step --preset tiny           # CPU, about a minute: what tests/test_bench.py runs
   python -m bench.rl_step --preset cpu            # CPU, a few minutes (the default job's models)
@@ -32,8 +36,10 @@ import gc
 import os
 import statistics
 import tempfile
+from dataclasses import dataclass
 
 import torch
+from torchtitan.tools.utils import get_peak_flops
 
 from bench._common import REPO_ROOT, alternate, environment, write_json
 from bench._job import add_job_arguments, job_config, resolve_preset, warm_started_job
@@ -63,13 +69,16 @@ def parse_args():
     p.add_argument("--skip", type=int, help="first RL steps per mode left out of the time statistics")
     p.add_argument("--out", help="JSON output path (default bench/results/rl_step_<preset>.json)")
     p.add_argument("--profile", action="store_true", help="per-op tables of one more step per mode")
+    p.add_argument("--one-state", action=argparse.BooleanOptionalAction, default=None,
+                   help="hold one mode's training state on the device at a time (default: the preset's; "
+                   "the qwen3_* presets do)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="[draft] modes to run (default all; the none / mode ratios need none)")
     p.add_argument("--warm-start", help="folder of a saved warm start of this config: loaded if there, else "
                    "written there after the warm start")
     args = p.parse_args()
     preset = resolve_preset(args, PRESETS)
-    args.one_state = preset.get("one_state", False)
+    args.one_state = preset.get("one_state", False) if args.one_state is None else args.one_state
     args.steps = preset["steps"] if args.steps is None else args.steps
     args.skip = preset["skip"] if args.skip is None else args.skip
     args.out = args.out or os.path.join(REPO_ROOT, "bench", "results", f"rl_step_{args.preset}.json")
@@ -101,16 +110,18 @@ def mode_state(job, draft_opt, mode: str, device: torch.device | None = None) ->
                                               generators=generators), optimizer)
 
 
-def one_mode(job, draft_opt, mode: str, rounds: int, report) -> list:
+def one_mode(job, draft_opt, mode: str, rounds: int, report, profile_path: str | None = None) -> list:
     """`rounds` timed steps of one mode, the only training state on the device: the warm start waits in
     host memory (moved there on first use), the mode's copy of it comes to the device, and is freed
-    after its steps."""
+    after its steps (and after one more, profiled, when profile_path is given: appended there)."""
     device = job.device
     job.policy.to("cpu")
     job.draft.to("cpu")
     draft_opt.optimizer.load_state_dict(draft_opt.optimizer.state_dict())  # its state follows the params
     state = mode_state(job, draft_opt, mode, device)
     steps = alternate({mode: step_of(state)}, rounds, device, report=report)[mode]
+    if profile_path is not None:
+        profile_steps({mode: step_of(state)}, device, profile_path, append=True)
     del state
     gc.collect()
     if device.type == "cuda":
@@ -127,6 +138,7 @@ def step_of(state: RLState):
         record = {"rollout_s": m["rollout_time_s"], "train_s": stats["train_time_s"],
                   "draft_s": stats.get("draft_time_s", 0.0), "acceptance_length": m["tokens_per_verify_forward"],
                   "generated_tokens": int(rollouts.response_lengths.sum()), "response_len_max": m["response_len_max"],
+                  "packed_tokens": int(rollouts.prompt_lengths.sum() + rollouts.response_lengths.sum()),
                   "rollout_tokens_per_s": m["rollout_tokens_per_s"], "reward_mean": stats["reward_mean"],
                   **{key: stats.get(key) for key in ("memory_peak_gib_rollout", "memory_peak_gib_train")},
                   "draft_acc_pass1": stats.get("draft_acc_pass1"),
@@ -139,11 +151,32 @@ def step_of(state: RLState):
     return step
 
 
-def summarise(steps: list[dict]) -> dict:
+@dataclass(frozen=True)
+class PolicyFlops:
+    """Model FLOPs of the policy's training on a step's rollouts (see the module docstring)."""
+    block_params: int
+    head_params: int
+    peak_flops: float | None
+    """The device's bf16 dense peak FLOP/s; None off CUDA."""
+
+    @classmethod
+    def of(cls, policy: torch.nn.Module, device: torch.device) -> "PolicyFlops":
+        blocks = sum(p.numel() for name, p in policy.named_parameters() if name.startswith("layers."))
+        peak = get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        return cls(blocks, policy.output.weight.numel(), peak)
+
+    def per_second(self, record: dict) -> float:
+        """Model FLOP/s of one step's policy training (its train time less the draft's)."""
+        flops = 6 * (self.block_params * record["packed_tokens"] + self.head_params * record["generated_tokens"])
+        return flops / (record["train_s"] - record["draft_s"])
+
+
+def summarise(steps: list[dict], flops: PolicyFlops) -> dict:
     """Medians of the timed steps (means for acceptance and reward)."""
     def median(fn):
         return statistics.median(fn(s) for s in steps)
 
+    policy_flops = median(flops.per_second)
     return {"steps": len(steps), "step_s": median(lambda s: s["step_s"]), "rollout_s": median(lambda s: s["rollout_s"]),
             "train_s": median(lambda s: s["train_s"]), "draft_s": median(lambda s: s["draft_s"]),
             "draft_share_of_train": median(lambda s: s["draft_s"] / s["train_s"]),
@@ -151,6 +184,8 @@ def summarise(steps: list[dict]) -> dict:
             "acceptance_length": statistics.mean(s["acceptance_length"] for s in steps),
             "rollout_tokens_per_s": median(lambda s: s["rollout_tokens_per_s"]),
             "step_tokens_per_s": median(lambda s: s["generated_tokens"] / s["step_s"]),
+            "policy_train_tflops_per_s": policy_flops / 1e12,
+            "policy_train_mfu": policy_flops / flops.peak_flops if flops.peak_flops else None,
             "reward_mean": statistics.mean(s["reward_mean"] for s in steps),
             # The highest over the timed steps (None off CUDA).
             **{key: max(s[key] for s in steps) if steps[0][key] is not None else None
@@ -163,12 +198,14 @@ def print_tables(a, cfg, table: dict, records: dict, speedups: dict) -> None:
           f"{cfg.rl.group_size} samples, K = {ro.num_speculative_tokens}{' (adaptive)' if ro.adaptive else ''}, "
           f"task {cfg.task.name}")
     print(f"{'mode':<8} {'step s':>8} {'rollout s':>10} {'train s':>8} {'draft s':>8} {'draft %':>8} "
-          f"{'rollout %':>10} {'accept':>7} {'rollout tok/s':>14} {'step tok/s':>11} {'reward':>7}")
+          f"{'rollout %':>10} {'accept':>7} {'rollout tok/s':>14} {'step tok/s':>11} {'reward':>7} "
+          f"{'policy TFLOP/s':>15} {'MFU':>5}")
     for mode, t in table.items():
+        mfu = "n/a" if t["policy_train_mfu"] is None else f"{t['policy_train_mfu']:.2f}"
         print(f"{mode:<8} {t['step_s']:>8.3f} {t['rollout_s']:>10.3f} {t['train_s']:>8.3f} {t['draft_s']:>8.3f} "
               f"{100 * t['draft_share_of_train']:>7.1f}% {100 * t['rollout_share']:>9.1f}% "
               f"{t['acceptance_length']:>7.2f} {t['rollout_tokens_per_s']:>14.0f} {t['step_tokens_per_s']:>11.0f} "
-              f"{t['reward_mean']:>7.3f}")
+              f"{t['reward_mean']:>7.3f} {t['policy_train_tflops_per_s']:>15.2f} {mfu:>5}")
     for mode in ("frozen", "cotrain"):
         if f"step_none_over_{mode}" not in speedups:
             continue
@@ -181,12 +218,13 @@ def print_tables(a, cfg, table: dict, records: dict, speedups: dict) -> None:
                                                                    for m in records))
 
 
-def profile_steps(steps: dict, device: torch.device, path: str) -> None:
-    """torch.profiler's per-op tables of one call of each step: by device time, then by host time."""
+def profile_steps(steps: dict, device: torch.device, path: str, append: bool = False) -> None:
+    """torch.profiler's per-op tables of one call of each step: by device time, then by host time
+    (written to path, or appended to it)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with open(path, "w") as f:
+    with open(path, "a" if append else "w") as f:
         for name, step in steps.items():
             with profile(activities=activities) as prof:
                 step()
@@ -214,13 +252,17 @@ def main():
               f"{memory}", flush=True)
 
     rounds = a.skip + a.steps
+    profile_path = os.path.splitext(a.out)[0] + ".profile.txt" if a.profile else None
+    flops = PolicyFlops.of(job.policy, job.device)
     if a.one_state:
-        timed = {mode: one_mode(job, draft_opt, mode, rounds, progress) for mode in a.modes}
+        if profile_path:
+            open(profile_path, "w").close()  # each mode appends its tables after its timed steps
+        timed = {mode: one_mode(job, draft_opt, mode, rounds, progress, profile_path) for mode in a.modes}
     else:
         states = {mode: mode_state(job, draft_opt, mode) for mode in a.modes}
         timed = alternate({mode: step_of(states[mode]) for mode in a.modes}, rounds, job.device, report=progress)
     records = {mode: [{"step_s": seconds, **r} for seconds, r in steps] for mode, steps in timed.items()}
-    table = {mode: summarise(records[mode][a.skip:]) for mode in a.modes}
+    table = {mode: summarise(records[mode][a.skip:], flops) for mode in a.modes}
     speedups = {}
     for mode in [m for m in ("frozen", "cotrain") if m in table and "none" in table]:
         speedups[f"step_none_over_{mode}"] = table["none"]["step_s"] / table[mode]["step_s"]
@@ -229,7 +271,9 @@ def main():
 
     report = {"preset": a.preset, "config": a.config, "overrides": a.overrides, **environment(),
               "policy": {"name": cfg.model.name, "flavor": cfg.model.flavor,
-                         "params": sum(p.numel() for p in job.policy.parameters())},
+                         "params": sum(p.numel() for p in job.policy.parameters()),
+                         "block_params": flops.block_params, "head_params": flops.head_params},
+              "peak_flops": flops.peak_flops,
               "draft_params": sum(p.numel() for p in job.draft.parameters()),
               "task": dataclasses.asdict(cfg.task), "rl": dataclasses.asdict(cfg.rl),
               "draft": dataclasses.asdict(cfg.draft),
@@ -238,9 +282,8 @@ def main():
               "reward_per_step": {mode: [r["reward_mean"] for r in records[mode]] for mode in a.modes},
               "steps": records}
     write_json(a.out, report)
-    if a.profile and not a.one_state:
-        profile_steps({mode: step_of(states[mode]) for mode in a.modes}, job.device,
-                      os.path.splitext(a.out)[0] + ".profile.txt")
+    if profile_path and not a.one_state:
+        profile_steps({mode: step_of(states[mode]) for mode in a.modes}, job.device, profile_path)
     job.metrics.close()
     print(f"wrote {a.out}")
 

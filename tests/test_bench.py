@@ -10,6 +10,7 @@ write the JSON their README tables are made from:
 """
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -46,20 +47,34 @@ def test_rl_step_bench_compares_the_draft_modes_from_one_state(tmp_path):
         assert report["speedups"][f"step_none_over_{mode}"] == table["none"]["step_s"] / table[mode]["step_s"]
     for record in report["steps"]["cotrain"]:
         assert record["rollout_s"] + record["train_s"] <= record["step_s"]  # the step timing holds both parts
+    # The policy's model FLOP/s: 6 x block parameters per packed token + 6 x head parameters per response
+    # token, over the train time less the draft's; no peak to divide by off CUDA.
+    policy = report["policy"]
+    assert 0 < policy["head_params"] < policy["block_params"] < policy["params"]
+    for mode in modes:
+        timed = report["steps"][mode][report["skip"]:]
+        flops = [6 * (policy["block_params"] * r["packed_tokens"] + policy["head_params"] * r["generated_tokens"])
+                 / (r["train_s"] - r["draft_s"]) for r in timed]
+        assert table[mode]["policy_train_tflops_per_s"] == statistics.median(flops) / 1e12
+        assert table[mode]["policy_train_mfu"] is None and report["peak_flops"] is None
     profile = (tmp_path / "rl_step.profile.txt").read_text()
     for mode in modes:  # one host-time table per mode (CPU), naming the ops the step ran
         assert f"## {mode}: sorted by self_cpu_time_total" in profile
     assert "aten::mm" in profile
 
 
-def test_rl_step_bench_runs_a_subset_of_modes(tmp_path):
+def test_rl_step_bench_runs_a_subset_of_modes_one_state_at_a_time(tmp_path):
     out = tmp_path / "rl_step.json"
-    run_bench("bench.rl_step", "--preset", "tiny", "--modes", "cotrain", "--out", str(out), "--",
-              "--draft.train_fraction", "0.5")
+    run_bench("bench.rl_step", "--preset", "tiny", "--modes", "frozen", "cotrain", "--one-state", "--profile",
+              "--out", str(out), "--", "--draft.train_fraction", "0.5")
     report = json.loads(out.read_text())
-    assert tuple(report["table"]) == tuple(report["reward_per_step"]) == ("cotrain",)
+    assert tuple(report["table"]) == tuple(report["reward_per_step"]) == ("frozen", "cotrain")
     assert report["speedups"] == {}  # no none to compare with
     assert report["draft"]["train_fraction"] == 0.5  # the report carries the [draft] settings
+    # Each mode from the same warm start and data streams, one after the other: the same first rollouts.
+    assert report["reward_per_step"]["frozen"][0] == report["reward_per_step"]["cotrain"][0]
+    profile = (tmp_path / "rl_step.profile.txt").read_text()  # each mode's tables, appended after its steps
+    assert profile.index("## frozen: sorted by") < profile.index("## cotrain: sorted by")
 
 
 def test_rollout_speedup_bench_smoke(tmp_path):
