@@ -78,8 +78,8 @@ from titan_draft.models.draft import DraftArgs
 from titan_draft.rollout.cached_model import CachedModels, cache_width
 from titan_draft.rollout.goodput import GoodputController
 from titan_draft.rollout.graphs import StepGraphs
-from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, log_probs_at, sample_from_logits,
-                                         speculative_accept_from_logits)
+from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, log_probs_at, log_probs_over_last_dim,
+                                          sample_from_logits, speculative_accept_from_logits)
 from titan_draft.rollout.weights import copy_weights
 
 # Counters at the head of the engine's status vector: StepStatus's scalar fields.
@@ -234,9 +234,10 @@ class RolloutEngine:
 
         self._draft_extend, self._draft_pass = self.model.draft_extend, self.model.draft_pass
         self._log_probs_at = log_probs_at
-        if compile:  # log_probs_at compiled: one fused read of the logits instead of an upcast copy per position
-            self._draft_extend, self._draft_pass, self._log_probs_at = map(
-                torch.compile, (self._draft_extend, self._draft_pass, self._log_probs_at))
+        if compile:
+            self._draft_extend, self._draft_pass = map(torch.compile, (self._draft_extend, self._draft_pass))
+            # One fused read of the logits per call, every shape in one graph (log_probs_at).
+            self._log_probs_at = partial(log_probs_at, fused=torch.compile(log_probs_over_last_dim, dynamic=True))
 
     # The cached models' modules and KV caches, by the names callers read.
     policy, draft = property(attrgetter("model.policy")), property(attrgetter("model.draft"))

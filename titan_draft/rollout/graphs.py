@@ -5,6 +5,8 @@ engine buffers, with no host synchronisation inside, so it can be captured once 
 `StepGraphs.run` replays a key's graph once the key has been used CAPTURE_AFTER times and runs it
 eagerly before; elsewhere than CUDA every call runs eagerly. Both run the same code.
 """
+import gc
+
 import torch
 
 # A key (decode-step shape, ...) runs eagerly this many times before it is captured as a CUDA graph.
@@ -35,8 +37,17 @@ class CapturedCall:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         graph.register_generator_state(self.generator)
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.fn()
+        # No cyclic garbage collection during the capture: it could free a dropped engine's graphs
+        # (an engine and its captured steps form a reference cycle), and destroying a graph while a
+        # stream captures invalidates the capture ("operation not permitted when stream is capturing").
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.fn()
+        finally:
+            if collecting:
+                gc.enable()
         self.graph = graph
 
 

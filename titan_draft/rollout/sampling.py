@@ -174,18 +174,29 @@ def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, ta
 
 # --- from logits: what the engine runs -------------------------------------------------------------
 
-def log_probs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) at ids: logits [B, S, V], ids [B, S] -> [B, S] (float32, float64 for
-    float64 logits); temperature > 0.
-
-    One log-normaliser per position, logsumexp(logits / T). It is reduced one position at a time, so
-    the upcast copy eager PyTorch makes is [B, V], never [B, S, V]; under torch.compile (the engine's
-    `compile` option) the upcast, scaling and reduction fuse into one read of the logits.
-    """
+def log_probs_over_last_dim(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) at ids, over the last dim: logits [..., V], ids [...] -> [...]
+    (float32, float64 for float64 logits); temperature > 0."""
     dtype = _prob_dtype(logits.dtype)
     picked = logits.gather(-1, ids[..., None])[..., 0].to(dtype) / temperature
-    normaliser = [torch.logsumexp(logits[:, s].to(dtype) / temperature, dim=-1) for s in range(logits.shape[1])]
-    return picked - torch.stack(normaliser, dim=1)
+    return picked - torch.logsumexp(logits.to(dtype) / temperature, dim=-1)
+
+
+def log_probs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float, *,
+                 fused: Callable | None = None) -> torch.Tensor:
+    """log softmax(logits / T) at ids: logits [B, S, V], ids [B, S] -> [B, S] (float32, float64 for
+    float64 logits); temperature > 0. One log-normaliser per position, logsumexp(logits / T).
+
+    fused: `log_probs_over_last_dim` compiled with dynamic sizes (the engine's `compile` option): all
+    positions in one call, whose upcast, scaling and reduction fuse into one read of the logits, and
+    one graph serves every batch, window and vocabulary (graphs specialised per shape ran into
+    torch.compile's recompile limit, past which it runs the function eagerly). Without it, one
+    position at a time, so that the upcast copy eager PyTorch makes is [B, V], never [B, S, V].
+    """
+    if fused is not None:
+        return fused(logits, ids, temperature)
+    return torch.stack([log_probs_over_last_dim(logits[:, s], ids[:, s], temperature)
+                        for s in range(logits.shape[1])], dim=1)
 
 
 LogProbsFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
