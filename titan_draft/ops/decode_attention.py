@@ -4,7 +4,7 @@
 The rollout engine's steps ask few queries per row (1 for a plain decode step or a draft pass, K + 1
 for a verify window) against a cache whose static width (CUDA graphs) is often far above what a
 row holds. SDPA with a mask reads the whole width, launches 2-3 kernels, and for S >= 2 queries per
-row picks kernels built for long query blocks (bench/results/decode_step_qwen3_1.7b_h200.json:
+row picks kernels built for long query blocks (bench/results/decode_step_qwen3_1.7b_sdpa_h200.json:
 a 5-query verify window cost 2.3x a 1-query step in attention alone). Here one program owns one
 row, one kv head and one chunk of cache slots, with all the S x G queries that read that kv head
 (G = query heads per kv head) as the rows of one tile: each key and value is read once, only up
