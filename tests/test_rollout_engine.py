@@ -752,3 +752,21 @@ def test_load_weights_from_fsdp_sharded_modules():
     from distributed import run_distributed
 
     assert run_distributed(_load_sharded_worker, 2, timeout=150) == [(True, True), (True, True)]
+
+
+def test_compiled_step_functions_keep_a_graph_per_shape_past_the_default_limit():
+    """The engine compiles its step functions through compile_for_decoding, whose graph limit per
+    function (RECOMPILE_LIMIT) is above the step shapes a run meets: every one of 10 static shapes
+    gets its own graph, where torch.compile's default limit of 8 ran the rest eagerly."""
+    from torch._dynamo.utils import counters
+
+    from titan_draft.rollout.cached_model import RECOMPILE_LIMIT, compile_for_decoding
+
+    torch._dynamo.reset()
+    counters.clear()
+    step = compile_for_decoding(lambda x: x * 2 + 1, dynamic=False)
+    for rows in range(1, 11):
+        x = torch.randn(rows, 3)
+        assert torch.equal(step(x), x * 2 + 1)
+    assert counters["stats"]["unique_graphs"] == 10
+    assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT > 10

@@ -29,6 +29,11 @@ from titan_draft.ops.decode_attention import decode_attention, decode_attention_
 
 # Distinct attended cache widths: the full cache, then halvings (see cache_width).
 CACHE_WIDTH_LEVELS = 6
+# Graphs torch.compile may keep per compiled function of the engine. Its default, 8, is below the
+# step shapes a run meets (row buckets x query windows x cache widths, with rows or queries of 1
+# specialised); past the limit a function runs eagerly for every new shape (on the H200 adaptive
+# K at batch 16 then ran at 0.67x plain decoding).
+RECOMPILE_LIMIT = 64
 # (row, kv head) pairs from which multi-query attention is folded: on the H200, 64 pairs (16 rows x
 # 4 kv heads) ran at 0.6-0.7x SDPA's cuDNN, 256 pairs at 1.4-3.5x (bench/results/decode_attention_h200.json).
 FOLDED_MIN_ROW_HEADS = 128
@@ -47,6 +52,13 @@ def _default_dtype(dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def compile_for_decoding(fn, **options):
+    """torch.compile(fn, **options) for the engine's steps, with torch.compile's per-function graph
+    limit raised to RECOMPILE_LIMIT (a process-wide setting: it only ever grows here)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(fn, **options)
 
 
 def _attend(q, k_cache, v_cache, positions, width: int, scale=None):
@@ -192,7 +204,7 @@ class CachedModels:
         self._block_shape = dict(rotary=family.apply_rotary_emb, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
                                  head_dim=attn.head_dim, eps=policy_args.norm_eps,
                                  scaling=getattr(attn, "scaling", None))
-        self.block = torch.compile(block_forward) if compile else block_forward
+        self.block = compile_for_decoding(block_forward) if compile else block_forward
         self.draft = None
         if draft_args is not None:
             with torch.device(device), _default_dtype(dtype):

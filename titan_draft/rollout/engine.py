@@ -75,7 +75,7 @@ from torch import nn
 
 from titan_draft.infra.timing import DeviceTimer, timed
 from titan_draft.models.draft import DraftArgs
-from titan_draft.rollout.cached_model import CachedModels, cache_width
+from titan_draft.rollout.cached_model import CachedModels, cache_width, compile_for_decoding
 from titan_draft.rollout.goodput import GoodputController
 from titan_draft.rollout.graphs import StepGraphs
 from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, log_probs_at, log_probs_over_last_dim,
@@ -235,9 +235,9 @@ class RolloutEngine:
         self._draft_extend, self._draft_pass = self.model.draft_extend, self.model.draft_pass
         self._log_probs_at = log_probs_at
         if compile:
-            self._draft_extend, self._draft_pass = map(torch.compile, (self._draft_extend, self._draft_pass))
-            # One fused read of the logits per call, every shape in one graph (log_probs_at).
-            self._log_probs_at = partial(log_probs_at, fused=torch.compile(log_probs_over_last_dim, dynamic=True))
+            self._draft_extend, self._draft_pass = map(compile_for_decoding, (self._draft_extend, self._draft_pass))
+            # One fused read of the logits per call, in few graphs (log_probs_at).
+            self._log_probs_at = partial(log_probs_at, fused=compile_for_decoding(log_probs_over_last_dim, dynamic=True))
 
     # The cached models' modules and KV caches, by the names callers read.
     policy, draft = property(attrgetter("model.policy")), property(attrgetter("model.draft"))
