@@ -188,10 +188,9 @@ def log_probs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float, *,
     float64 logits); temperature > 0. One log-normaliser per position, logsumexp(logits / T).
 
     fused: `log_probs_over_last_dim` compiled with dynamic sizes (the engine's `compile` option): all
-    positions in one call, whose upcast, scaling and reduction fuse into one read of the logits, in
-    a few graphs for every batch, window and vocabulary (one per window length in a loop over the
-    positions). Without it, one position at a time, so that the upcast copy eager PyTorch makes is
-    [B, V], never [B, S, V].
+    positions in one call, whose upcast, scaling and reduction fuse into one read of the logits; a
+    few graphs serve every batch, window and vocabulary. Without it, one position at a time, so that
+    the upcast copy eager PyTorch makes is [B, V], never [B, S, V].
     """
     if fused is not None:
         return fused(logits, ids, temperature)
