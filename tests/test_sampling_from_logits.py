@@ -4,7 +4,7 @@ from the same generator state, the same tokens and the same random numbers drawn
 import pytest
 import torch
 
-from titan_draft.rollout.sampling import (RowNoise, log_probs_at, log_probs_over_last_dim, probs_from_logits, sample,
+from titan_draft.rollout.sampling import (RowNoise, accept_drawn, log_probs_at, probs_from_logits, sample,
                                           sample_from_logits, speculative_accept, speculative_accept_from_logits)
 
 V, V_DRAFT, B = 40, 24, 48
@@ -114,22 +114,29 @@ def test_bad_shapes_name_the_argument():
         accept(ids, draft_logits, target_logits, target_ids=target_ids, temperature=-1.0)
 
 
-def test_compiled_log_probs_serve_every_shape_in_few_graphs():
-    """The engine's compiled log-normaliser (log_probs_at's `fused`, dynamic sizes) equals the eager one
-    on every shape a run meets (batch buckets incl. 1, K + 1 windows incl. 1, the target's and the
-    draft's vocabularies, a strided slice of the window) and compiles a handful of graphs for all of
-    them, far below torch.compile's recompile limit (past it, the function runs eagerly)."""
+def test_compiled_acceptance_rule_equals_the_eager_rule_in_few_graphs():
+    """The engine's compiled acceptance rule (`engine.compiled_accept_rule`, dynamic sizes) emits what
+    the eager rule emits on every shape a run meets (batch buckets incl. 1, K = 1..4, top-p on and
+    off) from the same random numbers, and compiles a handful of graphs for all of them, far below
+    torch.compile's recompile limit (past it, the function runs eagerly). float64 logits: the fused
+    log-normalisers round differently from the eager ones, by far less than any accept test's margin."""
     from torch._dynamo.utils import counters
+
+    from titan_draft.rollout.engine import compiled_accept_rule
 
     torch._dynamo.reset()
     counters.clear()
-    fused = torch.compile(log_probs_over_last_dim, dynamic=True)
-    gen = torch.Generator().manual_seed(3)
-    shapes = [(rows, window, vocab) for rows in (1, 16, 5, 128) for window in (1, 2, 5) for vocab in (V, 24)]
-    for rows, window, vocab in shapes:
-        full = torch.randn(rows, window + 1, vocab, generator=gen).bfloat16()
-        logits = full[:, :window]  # the target's verify window less its last position, as the engine passes it
-        ids = torch.randint(0, vocab, (rows, window), generator=gen)
-        expected = log_probs_at(logits, ids, 0.7)
-        torch.testing.assert_close(log_probs_at(logits, ids, 0.7, fused=fused), expected, rtol=1e-5, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    rule = compiled_accept_rule()
+    for K in (1, 2, 4):
+        for top_p in (1.0, 0.9):
+            target_ids, draft_ids, draft_logits, target_logits = chain(K, 0.8, top_p, seed=K)
+            for rows in (B, 1, 5):
+                args = draft_ids[:rows], draft_logits[:rows], target_logits[:rows]
+                outputs = [speculative_accept_from_logits(*args, target_ids=target_ids, temperature=0.8, top_p=top_p,
+                                                          rng=torch.Generator().manual_seed(rows), rule=fn)
+                           for fn in (accept_drawn, rule)]
+                for eager, compiled in zip(*outputs):
+                    assert torch.equal(eager, compiled), (K, top_p, rows)
+    # Per top-p path: the first shape, then dynamic ones with one row and with K = 1 specialised.
+    assert counters["stats"]["unique_graphs"] <= 10, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])

@@ -78,7 +78,7 @@ from titan_draft.models.draft import DraftArgs
 from titan_draft.rollout.cached_model import CachedModels, cache_width, compile_for_decoding
 from titan_draft.rollout.goodput import GoodputController
 from titan_draft.rollout.graphs import StepGraphs
-from titan_draft.rollout.sampling import (RowNoise, check_sampling_args, log_probs_at, log_probs_over_last_dim,
+from titan_draft.rollout.sampling import (AcceptRule, RowNoise, accept_drawn, check_sampling_args, log_probs_over_last_dim,
                                           sample_from_logits, speculative_accept_from_logits)
 from titan_draft.rollout.weights import copy_weights
 
@@ -186,8 +186,8 @@ class EngineOptions:
     """A RolloutEngine's draft capacity and speed switches (the defaults suit training rollouts).
 
     max_speculative_tokens: the most drafts a step may propose (sizes caches and buffers).
-    compile: torch.compile the policy's block forward, the draft's forwards and the acceptance rule's
-    log-normaliser (`log_probs_at`) (on CUDA devices; ignored elsewhere). The first calls of each
+    compile: torch.compile the policy's block forward, the draft's forwards and the acceptance rule
+    (`sampling.accept_drawn`) (on CUDA devices; ignored elsewhere). The first calls of each
     new step shape then take seconds to compile.
     cuda_graphs: replay prefill and decode steps as CUDA graphs (on CUDA devices; ignored elsewhere).
     compact: move the running rows to the front of the state when they fit a smaller bucket.
@@ -200,6 +200,13 @@ class EngineOptions:
     cuda_graphs: bool = True
     compact: bool = True
     min_bucket: int = 16
+
+
+def compiled_accept_rule() -> AcceptRule:
+    """The acceptance rule (`sampling.accept_drawn`) as a compiled engine runs it: its dozens of small
+    ops fuse into a few kernels and its log-normalisers into one read of the logits per call; dynamic
+    sizes serve every row bucket and K in a few graphs."""
+    return compile_for_decoding(partial(accept_drawn, log_probs_fn=log_probs_over_last_dim), dynamic=True)
 
 
 class RolloutEngine:
@@ -233,11 +240,10 @@ class RolloutEngine:
         self.buffer_rows = self.slots = 0  # the state buffers' rows and cache slots (none yet)
 
         self._draft_extend, self._draft_pass = self.model.draft_extend, self.model.draft_pass
-        self._log_probs_at = log_probs_at
+        self._accept_rule = accept_drawn
         if compile:
             self._draft_extend, self._draft_pass = map(compile_for_decoding, (self._draft_extend, self._draft_pass))
-            # One fused read of the logits per call, in few graphs (log_probs_at).
-            self._log_probs_at = partial(log_probs_at, fused=compile_for_decoding(log_probs_over_last_dim, dynamic=True))
+            self._accept_rule = compiled_accept_rule()
 
     # The cached models' modules and KV caches, by the names callers read.
     policy, draft = property(attrgetter("model.policy")), property(attrgetter("model.draft"))
@@ -360,10 +366,9 @@ class RolloutEngine:
         return torch.stack(ids, 1), torch.stack(logits, 1)
 
     def _accept(self, draft_ids, draft_logits, logits, temperature, top_p, noise):
-        """speculative_accept_from_logits with the engine's draft-to-target id map and log-normaliser."""
+        """speculative_accept_from_logits with the engine's draft-to-target id map and acceptance rule."""
         return speculative_accept_from_logits(draft_ids, draft_logits, logits, target_ids=self._target_ids,
-                                              temperature=temperature, top_p=top_p, rng=noise,
-                                              log_probs_fn=self._log_probs_at)
+                                              temperature=temperature, top_p=top_p, rng=noise, rule=self._accept_rule)
 
     def _prompt_batch(self, prompts, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompts right-padded with eos_id [B, max p_b] on the engine's device, p_b [B] on the host)."""

@@ -103,7 +103,12 @@ def sample(probs: torch.Tensor, rng: torch.Generator | RowNoise | None = None) -
     synchronises with the host, so a CUDA graph can capture it.
     """
     dtype = _prob_dtype(probs.dtype)
-    return (probs.to(dtype) / _race(tuple(probs.shape), dtype, probs.device, rng)).argmax(-1)
+    return _race_winner(probs.to(dtype), _race(tuple(probs.shape), dtype, probs.device, rng))
+
+
+def _race_winner(weights: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+    """The exponential race's winner, argmax_v weights_v / race_v, from drawn race times."""
+    return (weights / race).argmax(-1)
 
 
 def _chain_shape(drafts: torch.Tensor, name: str) -> tuple[int, int]:
@@ -117,25 +122,25 @@ def _chain_shape(drafts: torch.Tensor, name: str) -> tuple[int, int]:
     return B, K
 
 
-def _count_accepted(p: torch.Tensor, q: torch.Tensor, rng) -> torch.Tensor:
-    """Leading accepted drafts [B] in 0..K, from p and q [B, K] at the drafted tokens: draft k is
-    accepted with probability min(1, p/q)."""
-    u = _noise(rng).uniform(tuple(p.shape), p.device)
-    accepted = u * q < p  # u < p / q without dividing; q > 0 for any token the draft sampled
+def _count_accepted(p: torch.Tensor, q: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Leading accepted drafts [B] in 0..K, from p and q [B, K] at the drafted tokens and uniform
+    draws [B, K]: draft k is accepted with probability min(1, p/q)."""
+    accepted = uniform * q < p  # u < p / q without dividing; q > 0 for any token the draft sampled
     return accepted.long().cumprod(-1).sum(-1)
 
 
 def _emit(tokens: torch.Tensor, num_accepted: torch.Tensor, p_stop: torch.Tensor, q_stop: torch.Tensor,
-          rng) -> torch.Tensor:
+          race: torch.Tensor) -> torch.Tensor:
     """The emitted window [B, K+1]: the accepted drafts of tokens [B, K], then a sample of
     norm(max(0, p_stop - q_stop)) ([B, V]: target and draft at the stop position; q_stop is 0
-    past the last draft, which makes it the bonus distribution p_K), then -1."""
+    past the last draft, which makes it the bonus distribution p_K) by the race times [B, V],
+    then -1."""
     B, K = tokens.shape
     residual = (p_stop - q_stop).clamp(min=0)
     mass = residual.sum(-1, keepdim=True)
     # p == q everywhere makes a rejection impossible in exact arithmetic; keep rounding harmless.
     residual = torch.where(mass > 0, residual, p_stop)
-    last = sample(residual, rng)
+    last = _race_winner(residual, race)
     position = torch.arange(K + 1, device=tokens.device)
     out = torch.cat([tokens, tokens.new_full((B, 1), -1)], dim=1)
     out = torch.where(position < num_accepted[:, None], out, torch.full_like(out, -1))
@@ -165,11 +170,11 @@ def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, ta
     tokens = draft_tokens.long()
     p = target_probs[:, :K].gather(-1, tokens[..., None])[..., 0].to(dtype)
     q = draft_probs.gather(-1, tokens[..., None])[..., 0].to(dtype)
-    num_accepted = _count_accepted(p, q, rng)
+    num_accepted = _count_accepted(p, q, _noise(rng).uniform((B, K), tokens.device))
     rows = torch.arange(B, device=tokens.device)
     p_stop = target_probs[rows, num_accepted].to(dtype)
     q_stop = torch.where((num_accepted < K)[:, None], draft_probs[rows, num_accepted.clamp(max=K - 1)], 0).to(dtype)
-    return num_accepted, _emit(tokens, num_accepted, p_stop, q_stop, rng)
+    return num_accepted, _emit(tokens, num_accepted, p_stop, q_stop, _race((B, V), dtype, tokens.device, rng))
 
 
 # --- from logits: what the engine runs -------------------------------------------------------------
@@ -182,18 +187,11 @@ def log_probs_over_last_dim(logits: torch.Tensor, ids: torch.Tensor, temperature
     return picked - torch.logsumexp(logits.to(dtype) / temperature, dim=-1)
 
 
-def log_probs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float, *,
-                 fused: Callable | None = None) -> torch.Tensor:
+def log_probs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / T) at ids: logits [B, S, V], ids [B, S] -> [B, S] (float32, float64 for
-    float64 logits); temperature > 0. One log-normaliser per position, logsumexp(logits / T).
-
-    fused: `log_probs_over_last_dim` compiled with dynamic sizes (the engine's `compile` option): all
-    positions in one call, whose upcast, scaling and reduction fuse into one read of the logits; a
-    few graphs serve every batch, window and vocabulary. Without it, one position at a time, so that
-    the upcast copy eager PyTorch makes is [B, V], never [B, S, V].
-    """
-    if fused is not None:
-        return fused(logits, ids, temperature)
+    float64 logits); temperature > 0. One log-normaliser per position, logsumexp(logits / T), one
+    position at a time, so that the upcast copy eager PyTorch makes is [B, V], never [B, S, V].
+    (Compiled, `log_probs_over_last_dim` takes all positions at once in one fused read.)"""
     return torch.stack([log_probs_over_last_dim(logits[:, s], ids[:, s], temperature)
                         for s in range(logits.shape[1])], dim=1)
 
@@ -228,10 +226,37 @@ def sample_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 
     return (logits.to(dtype) / temperature).sub_(race.log_()).argmax(-1)
 
 
+def accept_drawn(draft_ids: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                 target_ids: torch.Tensor, uniform: torch.Tensor, race: torch.Tensor, temperature: float,
+                 top_p: float, log_probs_fn: LogProbsFn = log_probs_at) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance rule of `speculative_accept_from_logits` (temperature > 0) on its drawn random
+    numbers: uniform [B, K] for the accept tests, race [B, V] (Exp(1), clamped) for the residual.
+
+    p and q are needed at the K drafted tokens only (log_probs_fn: `log_probs_at`, or
+    `log_probs_over_last_dim` where the whole rule is compiled and the positions fuse), and in full
+    at the one position per row where the chain stops: there the residual norm(max(0, p - q)) is
+    formed, with q scattered into the target vocabulary.
+    """
+    B, K = draft_ids.shape
+    tokens = target_ids[draft_ids]
+    p = _probs_at(target_logits[:, :K], tokens, temperature, top_p, log_probs_fn)
+    q = _probs_at(draft_logits, draft_ids, temperature, top_p, log_probs_fn)
+    num_accepted = _count_accepted(p, q.to(p.dtype), uniform)
+    rows = torch.arange(B, device=tokens.device)
+    p_stop = probs_from_logits(target_logits[rows, num_accepted], temperature, top_p)
+    q_draft = probs_from_logits(draft_logits[rows, num_accepted.clamp(max=K - 1)], temperature, top_p)
+    q_draft = q_draft.to(p_stop.dtype).masked_fill((num_accepted == K)[:, None], 0)  # no draft past the last
+    q_stop = torch.zeros_like(p_stop).index_copy_(-1, target_ids, q_draft)
+    return num_accepted, _emit(tokens, num_accepted, p_stop, q_stop, race)
+
+
+AcceptRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
 def speculative_accept_from_logits(draft_ids: torch.Tensor, draft_logits: torch.Tensor,
                                    target_logits: torch.Tensor, *, target_ids: torch.Tensor, temperature: float,
                                    top_p: float = 1.0, rng: torch.Generator | RowNoise | None = None,
-                                   log_probs_fn: LogProbsFn = log_probs_at) -> tuple[torch.Tensor, torch.Tensor]:
+                                   rule: AcceptRule = accept_drawn) -> tuple[torch.Tensor, torch.Tensor]:
     """`speculative_accept` from logits, with the draft in its own vocabulary: the same rule, the
     same random numbers (the uniforms of the accept tests, then the residual's race), the same
     outputs.
@@ -240,9 +265,8 @@ def speculative_accept_from_logits(draft_ids: torch.Tensor, draft_logits: torch.
     [B, K, V_d]; target_ids int64 [V_d]: the target id of each draft id (distinct);
     target_logits [B, K+1, V]. Returns num_accepted int64 [B] and tokens int64 [B, K+1] in target
     ids, as speculative_accept does.
-    p and q are needed at the K drafted tokens only (log_probs_fn: `log_probs_at` or a compiled
-    copy of it), and in full at the one position per row where the chain stops: there the
-    residual norm(max(0, p - q)) is formed, with q scattered into the target vocabulary.
+    The random numbers are drawn here, the rest is `accept_drawn` (rule: it or a compiled copy of
+    it, as the engine runs it), a function of tensors only.
     Temperature 0: a draft is accepted iff it is the target's argmax, and the argmax is emitted at
     the stop position (what the reference's one-hot distributions give); nothing is drawn.
     """
@@ -256,19 +280,12 @@ def speculative_accept_from_logits(draft_ids: torch.Tensor, draft_logits: torch.
         raise ValueError(f"target_logits must be [B, K+1, V] = [{B}, {K + 1}, V], got {tuple(target_logits.shape)}")
     check_sampling_args(temperature, top_p)
 
-    tokens = target_ids[draft_ids]
     if temperature == 0:
         greedy = target_logits.argmax(-1)
-        num_accepted = (tokens == greedy[:, :K]).long().cumprod(-1).sum(-1)
-        position = torch.arange(K + 1, device=tokens.device)
+        num_accepted = (target_ids[draft_ids] == greedy[:, :K]).long().cumprod(-1).sum(-1)
+        position = torch.arange(K + 1, device=draft_ids.device)
         return num_accepted, greedy.masked_fill(position > num_accepted[:, None], -1)
-
-    p = _probs_at(target_logits[:, :K], tokens, temperature, top_p, log_probs_fn)
-    q = _probs_at(draft_logits, draft_ids, temperature, top_p, log_probs_fn)
-    num_accepted = _count_accepted(p, q.to(p.dtype), rng)
-    rows = torch.arange(B, device=tokens.device)
-    p_stop = probs_from_logits(target_logits[rows, num_accepted], temperature, top_p)
-    q_draft = probs_from_logits(draft_logits[rows, num_accepted.clamp(max=K - 1)], temperature, top_p)
-    q_draft = q_draft.to(p_stop.dtype).masked_fill((num_accepted == K)[:, None], 0)  # no draft past the last
-    q_stop = torch.zeros_like(p_stop).index_copy_(-1, target_ids, q_draft)
-    return num_accepted, _emit(tokens, num_accepted, p_stop, q_stop, rng)
+    device = draft_ids.device
+    uniform = _noise(rng).uniform((B, K), device)
+    race = _race((B, target_logits.shape[2]), _prob_dtype(target_logits.dtype), device, rng)
+    return rule(draft_ids, draft_logits, target_logits, target_ids, uniform, race, temperature, top_p)
