@@ -114,11 +114,11 @@ def test_bad_shapes_name_the_argument():
         accept(ids, draft_logits, target_logits, target_ids=target_ids, temperature=-1.0)
 
 
-def test_compiled_acceptance_rule_equals_the_eager_rule_in_few_graphs():
-    """The engine's compiled acceptance rule (`engine.compiled_accept_rule`, dynamic sizes) emits what
-    the eager rule emits on every shape a run meets (batch buckets incl. 1, K = 1..4, top-p on and
-    off) from the same random numbers, and compiles a handful of graphs for all of them, far below
-    torch.compile's recompile limit (past it, the function runs eagerly). float64 logits: the fused
+def test_compiled_acceptance_rule_equals_the_eager_rule_one_graph_per_shape():
+    """The engine's compiled acceptance rule (`engine.compiled_accept_rule`, static shapes) emits what
+    the eager rule emits on the shapes a run meets (row buckets incl. 1, K = 1 and 4, top-p on and
+    off) from the same random numbers, in one graph per shape with no graph break (a step shape is a
+    row bucket x K: a run's stay below the engine's RECOMPILE_LIMIT). float64 logits: the fused
     log-normalisers round differently from the eager ones, by far less than any accept test's margin."""
     from torch._dynamo.utils import counters
 
@@ -127,16 +127,16 @@ def test_compiled_acceptance_rule_equals_the_eager_rule_in_few_graphs():
     torch._dynamo.reset()
     counters.clear()
     rule = compiled_accept_rule()
-    for K in (1, 2, 4):
-        for top_p in (1.0, 0.9):
-            target_ids, draft_ids, draft_logits, target_logits = chain(K, 0.8, top_p, seed=K)
-            for rows in (B, 1, 5):
-                args = draft_ids[:rows], draft_logits[:rows], target_logits[:rows]
-                outputs = [speculative_accept_from_logits(*args, target_ids=target_ids, temperature=0.8, top_p=top_p,
-                                                          rng=torch.Generator().manual_seed(rows), rule=fn)
-                           for fn in (accept_drawn, rule)]
-                for eager, compiled in zip(*outputs):
-                    assert torch.equal(eager, compiled), (K, top_p, rows)
-    # Per top-p path: the first shape, then dynamic ones with one row and with K = 1 specialised.
-    assert counters["stats"]["unique_graphs"] <= 10, dict(counters["stats"])
+    shapes = [(K, top_p, rows) for K in (1, 4) for top_p in (1.0, 0.9) for rows in (B, 1)]
+    for K, top_p, rows in shapes:
+        target_ids, draft_ids, draft_logits, target_logits = chain(K, 0.8, top_p, seed=K)
+        args = draft_ids[:rows], draft_logits[:rows], target_logits[:rows]
+        outputs = [speculative_accept_from_logits(*args, target_ids=target_ids, temperature=0.8, top_p=top_p,
+                                                  rng=torch.Generator().manual_seed(rows), rule=fn)
+                   for fn in (accept_drawn, rule)]
+        for eager, compiled in zip(*outputs):
+            assert torch.equal(eager, compiled), (K, top_p, rows)
+        rule(*args, target_ids, torch.rand(rows, K), torch.ones(rows, V, dtype=torch.float64),
+             0.8, top_p)  # a shape seen before: no new graph
+    assert counters["stats"]["unique_graphs"] == len(shapes), dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
