@@ -78,7 +78,7 @@ from titan_draft.models.draft import DraftArgs
 from titan_draft.rollout.cached_model import CachedModels, cache_width, compile_for_decoding
 from titan_draft.rollout.goodput import GoodputController
 from titan_draft.rollout.graphs import StepGraphs
-from titan_draft.rollout.sampling import (AcceptRule, RowNoise, accept_drawn, check_sampling_args, log_probs_over_last_dim,
+from titan_draft.rollout.sampling import (AcceptRule, RowNoise, accept_drawn, check_sampling_args, log_normalisers,
                                           sample_from_logits, speculative_accept_from_logits)
 from titan_draft.rollout.weights import copy_weights
 
@@ -208,7 +208,7 @@ def compiled_accept_rule() -> AcceptRule:
     per step shape (row bucket x K): with dynamic sizes inductor does not split a reduction over rows
     too few to fill the GPU, and a 16-row softmax over the target vocabulary then took 0.16 ms on the
     H200, 3x the eager kernel."""
-    return compile_for_decoding(partial(accept_drawn, log_probs_fn=log_probs_over_last_dim), dynamic=False)
+    return compile_for_decoding(partial(accept_drawn, log_normalisers_fn=log_normalisers), dynamic=False)
 
 
 class RolloutEngine:

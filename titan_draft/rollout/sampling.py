@@ -5,7 +5,7 @@ Two implementations of the same draws, side by side:
   `speculative_accept`;
 - what the engine runs, from logits: `sample_from_logits`, `speculative_accept_from_logits`. The
   acceptance rule needs the target's and the draft's probabilities only at the drafted tokens
-  (`log_probs_at`: one log-normaliser per position) and in full at one position per row, where the
+  (one log-normaliser per position, `log_normalisers`) and in full at one position per row, where the
   chain stops; only there is the draft's distribution scattered into the target vocabulary.
 Both draw the same random numbers in the same order from the same generator (or RowNoise), so they
 emit the same tokens up to rounding (tests/test_sampling_from_logits.py compares them in float64).
@@ -179,32 +179,40 @@ def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, ta
 
 # --- from logits: what the engine runs -------------------------------------------------------------
 
-def log_probs_over_last_dim(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) at ids, over the last dim: logits [..., V], ids [...] -> [...]
-    (float32, float64 for float64 logits); temperature > 0."""
-    dtype = _prob_dtype(logits.dtype)
-    picked = logits.gather(-1, ids[..., None])[..., 0].to(dtype) / temperature
-    return picked - torch.logsumexp(logits.to(dtype) / temperature, dim=-1)
+def log_normalisers(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logsumexp(logits / T) over the last dim: [..., V] -> [...] (float32, float64 for float64
+    logits); temperature > 0. All positions at once: compiled, the upcast, scaling and reduction fuse
+    into one read of the logits (eager PyTorch would copy them all to float32 first)."""
+    return torch.logsumexp(logits.to(_prob_dtype(logits.dtype)) / temperature, dim=-1)
 
 
-def log_probs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) at ids: logits [B, S, V], ids [B, S] -> [B, S] (float32, float64 for
-    float64 logits); temperature > 0. One log-normaliser per position, logsumexp(logits / T), one
-    position at a time, so that the upcast copy eager PyTorch makes is [B, V], never [B, S, V].
-    (Compiled, `log_probs_over_last_dim` takes all positions at once in one fused read.)"""
-    return torch.stack([log_probs_over_last_dim(logits[:, s], ids[:, s], temperature)
-                        for s in range(logits.shape[1])], dim=1)
+def log_normalisers_by_position(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`log_normalisers` of logits [B, S, V] -> [B, S], one position at a time, so that the float32
+    copy eager PyTorch makes is [B, V], never [B, S, V]."""
+    return torch.stack([log_normalisers(logits[:, s], temperature) for s in range(logits.shape[1])], dim=1)
 
 
-LogProbsFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+LogNormalisersFn = Callable[[torch.Tensor, float], torch.Tensor]
 
 
 def _probs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float, top_p: float,
-              log_probs_fn: LogProbsFn) -> torch.Tensor:
-    """The sampling distribution (T > 0, top-p) of logits [B, S, V] at ids [B, S] -> [B, S]."""
+              norm: torch.Tensor | None) -> torch.Tensor:
+    """The sampling distribution (T > 0, top-p) of logits [B, S, V] at ids [B, S] -> [B, S]; norm
+    [B, >= S]: the log-normalisers of the positions (top-p 1; None otherwise)."""
     if top_p < 1:  # the nucleus is a cut of the sorted, normalised distribution: the exact path
         return probs_from_logits(logits, temperature, top_p).gather(-1, ids[..., None])[..., 0]
-    return log_probs_fn(logits, ids, temperature).exp()
+    picked = logits.gather(-1, ids[..., None])[..., 0].to(norm.dtype)
+    return (picked / temperature - norm[:, :ids.shape[1]]).exp()
+
+
+def _probs(logits: torch.Tensor, position: torch.Tensor, temperature: float, top_p: float,
+           norm: torch.Tensor | None) -> torch.Tensor:
+    """The sampling distribution (T > 0, top-p) [B, V] of logits [B, S, V] at one position [B] per
+    row; norm [B, S]: the log-normalisers (top-p 1), which make it one pass over the logits."""
+    rows = torch.arange(len(position), device=position.device)
+    if top_p < 1:
+        return probs_from_logits(logits[rows, position], temperature, top_p)
+    return (logits[rows, position].to(norm.dtype) / temperature - norm[rows, position, None]).exp()
 
 
 def sample_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
@@ -228,23 +236,28 @@ def sample_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 
 
 def accept_drawn(draft_ids: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
                  target_ids: torch.Tensor, uniform: torch.Tensor, race: torch.Tensor, temperature: float,
-                 top_p: float, log_probs_fn: LogProbsFn = log_probs_at) -> tuple[torch.Tensor, torch.Tensor]:
+                 top_p: float, log_normalisers_fn: LogNormalisersFn = log_normalisers_by_position,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The acceptance rule of `speculative_accept_from_logits` (temperature > 0) on its drawn random
     numbers: uniform [B, K] for the accept tests, race [B, V] (Exp(1), clamped) for the residual.
 
-    p and q are needed at the K drafted tokens only (log_probs_fn: `log_probs_at`, or
-    `log_probs_over_last_dim` where the whole rule is compiled and the positions fuse), and in full
-    at the one position per row where the chain stops: there the residual norm(max(0, p - q)) is
-    formed, with q scattered into the target vocabulary.
+    p and q are needed at the K drafted tokens only, and in full at the one position per row where
+    the chain stops: there the residual norm(max(0, p - q)) is formed, with q scattered into the
+    target vocabulary. At top-p 1 all of them are exp(logit / T - log-normaliser), with one
+    log-normaliser per position (log_normalisers_fn: `log_normalisers_by_position`, or
+    `log_normalisers` where the whole rule is compiled and the positions fuse).
     """
-    B, K = draft_ids.shape
+    K = draft_ids.shape[1]
     tokens = target_ids[draft_ids]
-    p = _probs_at(target_logits[:, :K], tokens, temperature, top_p, log_probs_fn)
-    q = _probs_at(draft_logits, draft_ids, temperature, top_p, log_probs_fn)
+    target_norm = draft_norm = None
+    if top_p == 1:
+        target_norm = log_normalisers_fn(target_logits, temperature)
+        draft_norm = log_normalisers_fn(draft_logits, temperature)
+    p = _probs_at(target_logits[:, :K], tokens, temperature, top_p, target_norm)
+    q = _probs_at(draft_logits, draft_ids, temperature, top_p, draft_norm)
     num_accepted = _count_accepted(p, q.to(p.dtype), uniform)
-    rows = torch.arange(B, device=tokens.device)
-    p_stop = probs_from_logits(target_logits[rows, num_accepted], temperature, top_p)
-    q_draft = probs_from_logits(draft_logits[rows, num_accepted.clamp(max=K - 1)], temperature, top_p)
+    p_stop = _probs(target_logits, num_accepted, temperature, top_p, target_norm)
+    q_draft = _probs(draft_logits, num_accepted.clamp(max=K - 1), temperature, top_p, draft_norm)
     q_draft = q_draft.to(p_stop.dtype).masked_fill((num_accepted == K)[:, None], 0)  # no draft past the last
     q_stop = torch.zeros_like(p_stop).index_copy_(-1, target_ids, q_draft)
     return num_accepted, _emit(tokens, num_accepted, p_stop, q_stop, race)
