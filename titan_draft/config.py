@@ -127,9 +127,9 @@ class Rollout:
     tokens per second, from measured step costs and acceptance (rollout/goodput.py GoodputController);
     false = always num_speculative_tokens. Measured costs make adaptive runs not bit-reproducible."""
     compile: bool = True
-    """torch.compile the engine's policy blocks, draft forwards and the acceptance rule's log-normaliser on
-    GPUs (fused norms, RoPE and cache writes: fewer kernels per decode step; the normaliser reads the
-    logits once; ignored on CPU). Each new step shape compiles once, in the first steps' rollouts."""
+    """torch.compile the engine's policy blocks, draft forwards and the acceptance rule on GPUs (fused
+    norms, RoPE, cache writes and acceptance arithmetic: fewer kernels per decode step; the rule reads
+    the logits once; ignored on CPU). Each new step shape compiles once, in the first steps' rollouts."""
     release_caches: bool = True
     """Give the engine's KV caches (and the CUDA graphs that read them) back after each step's rollouts, so
     the training phase has their memory; false keeps them and their graphs (no re-capture each step)."""
