@@ -32,8 +32,10 @@ CACHE_WIDTH_LEVELS = 6
 # Graphs torch.compile may keep per compiled function of the engine. Its default, 8, is below the
 # step shapes a run meets (row buckets x query windows x cache widths, with rows or queries of 1
 # specialised); past the limit a function runs eagerly for every new shape (on the H200 adaptive
-# K at batch 16 then ran at 0.67x plain decoding).
-RECOMPILE_LIMIT = 64
+# K at batch 16 then ran at 0.67x plain decoding). The acceptance rule compiles one graph per row
+# bucket x K (engine.compiled_accept_rule): a call of up to 8,192 rows runs in at most 10 buckets
+# (its own row count, then powers of two down to min_bucket 16), which at K <= 8 is 80 graphs.
+RECOMPILE_LIMIT = 128
 # (row, kv head) pairs from which multi-query attention is folded: on the H200, 64 pairs (16 rows x
 # 4 kv heads) ran at 0.6-0.7x SDPA's cuDNN, 256 pairs at 1.4-3.5x (bench/results/decode_attention_h200.json).
 FOLDED_MIN_ROW_HEADS = 128
