@@ -45,11 +45,11 @@ def _skinny_linear(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
              mask=(m[:, None] < M) & (n[None, :] < N))
 
 
-def _config(N: int, K: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): enough programs to fill the GPU (N / BLOCK_N >= 128 where N allows) and
-    long enough reads per row of w."""
+def _config(N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages): enough programs to fill the GPU (N / BLOCK_N >= 128 where N
+    allows) and long enough reads per row of w."""
     block_n = 16 if N <= 4096 else 32
-    return block_n, min(256, triton.next_power_of_2(K))
+    return block_n, min(256, triton.next_power_of_2(K)), 4, 4
 
 
 @torch.library.custom_op("titan_draft::skinny_linear", mutates_args=())
@@ -62,10 +62,10 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"skinny_linear: {M} rows; it takes at most {MAX_ROWS} (use F.linear)")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    block_n, block_k = _config(N, K)
+    block_n, block_k, warps, stages = _config(N, K)
     _skinny_linear[(triton.cdiv(N, block_n),)](
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4)
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return out
 
 
