@@ -46,27 +46,36 @@ def _skinny_linear(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
 
 
 def _config(N: int, K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages): enough programs to fill the GPU (N / BLOCK_N >= 128 where N
-    allows) and long enough reads per row of w."""
-    block_n = 16 if N <= 4096 else 32
-    return block_n, min(256, triton.next_power_of_2(K)), 4, 4
+    """(BLOCK_N, BLOCK_K, warps, stages), the fastest of bench/skinny_linear.py's sweep at the
+    Qwen3-1.7B block projections on the H200: 16 rows of w per program where N is 2,048 (128 programs),
+    32 above; reads of 512 columns, but 128 for the widest matrix (gate/up, 12,288 rows)."""
+    block_n = 16 if N <= 2048 else 32
+    block_k = 128 if N >= 8192 else 512
+    return block_n, min(block_k, triton.next_power_of_2(K)), 4, 4
 
 
-@torch.library.custom_op("titan_draft::skinny_linear", mutates_args=())
-def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """skinny_linear_reference's result for x [M <= MAX_ROWS, K] and w [N, K], both with a contiguous
-    last dim. An opaque op for torch.compile."""
+def launch(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int]) -> torch.Tensor:
+    """The kernel with an explicit (BLOCK_N, BLOCK_K, warps, stages): what skinny_linear runs with
+    _config's choice, and what bench/skinny_linear.py sweeps."""
     M, K = x.shape
     N = w.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"skinny_linear: {M} rows; it takes at most {MAX_ROWS} (use F.linear)")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    block_n, block_k, warps, stages = _config(N, K)
+    block_n, block_k, warps, stages = config
     _skinny_linear[(triton.cdiv(N, block_n),)](
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=warps,
+        num_stages=stages)
     return out
+
+
+@torch.library.custom_op("titan_draft::skinny_linear", mutates_args=())
+def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """skinny_linear_reference's result for x [M <= MAX_ROWS, K] and w [N, K], both with a contiguous
+    last dim. An opaque op for torch.compile."""
+    return launch(x, w, _config(w.shape[0], x.shape[1]))
 
 
 @skinny_linear.register_fake
