@@ -52,7 +52,7 @@ PRESETS = {
 KERNEL_KINDS = [
     ("compiled (Triton)", r"^triton_"),  # inductor's fused kernels (their names list the ops they fuse)
     ("attention", r"_chunk_attention|_merge_chunks|fmha|flash|attention|cudnn|sdpa|mem_eff"),
-    ("GEMM", r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitk"),
+    ("GEMM", r"skinny_linear|gemm|gemv|nvjet|cutlass|xmma|cublas|splitk"),
     ("norm", r"rms|norm"),
     ("sampling", r"softmax|exponential|argmax|argmin|distribution|philox|uniform|cumsum|sort|max"),
     ("index / copy", r"index|scatter|gather|copy|cat|fill|memcpy|memset|where|arange"),

@@ -235,3 +235,11 @@ def test_memory_table_tiny_probes_end_to_end(tmp_path):
             assert row[key] is None and probe[key] is None  # no memory statistics off CUDA
     run_bench("bench.memory_table", *args, "--resume")  # every probe is in the file: none is made again
     assert json.loads(out.read_text()) == report
+
+
+def test_skinny_linear_bench_times_the_engines_fused_projections():
+    from bench.skinny_linear import projection_shapes
+
+    # Qwen3-1.7B: 16 query + 2 x 8 kv heads of 128, dim 2,048, MLP 6,144 (gate and up stacked)
+    assert projection_shapes("qwen3", "1.7B") == {"qkv": (4096, 2048), "wo": (2048, 2048), "gate_up": (12288, 2048),
+                                                  "down": (2048, 6144)}

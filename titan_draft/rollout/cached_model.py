@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from titan_draft.models.draft import DraftArgs, EagleDraft
 from titan_draft.models.families import family_of_args
 from titan_draft.ops.decode_attention import decode_attention, decode_attention_reference
+from titan_draft.ops.skinny_linear import MAX_ROWS, skinny_linear
 
 # Distinct attended cache widths: the full cache, then halvings (see cache_width).
 CACHE_WIDTH_LEVELS = 6
@@ -157,6 +158,16 @@ def fuse_block(block) -> BlockWeights:
         down=ffn.w2.weight if dense else None)
 
 
+def _project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, S, K] @ w [N, K].T. On CUDA, a step of at most MAX_ROWS rows x positions (batch-1 to
+    -3 decode and verify steps, draft passes of small batches) goes to the few-row kernel, which
+    streams the weights once (ops/skinny_linear.py); more rows to cuBLAS."""
+    rows = x.shape[0] * x.shape[1]
+    if x.device.type == "cuda" and rows <= MAX_ROWS:
+        return skinny_linear(x.reshape(rows, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w)
+
+
 def block_forward(h, weights: BlockWeights, rope, positions, rows, width: int, k_cache, v_cache, *, rotary,
                   n_heads: int, n_kv_heads: int, head_dim: int, eps: float, scaling: float | None, ffn=None):
     """torchtitan's TransformerBlock.forward on BlockWeights, with attention over a static cache:
@@ -164,7 +175,7 @@ def block_forward(h, weights: BlockWeights, rope, positions, rows, width: int, k
     up to its position (all below `width`). ffn: the MoE module of a block without gate_up."""
     B, S, dim = h.shape
     x = F.rms_norm(h, (dim,), weights.attention_norm, eps)
-    q, k, v = F.linear(x, weights.qkv).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
+    q, k, v = _project(x, weights.qkv).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
     q, k, v = q.view(B, S, n_heads, head_dim), k.view(B, S, n_kv_heads, head_dim), v.view(B, S, n_kv_heads, head_dim)
     if weights.q_norm is not None:  # qwen3
         q = F.rms_norm(q, (head_dim,), weights.q_norm, eps)
@@ -173,12 +184,12 @@ def block_forward(h, weights: BlockWeights, rope, positions, rows, width: int, k
     k_cache[rows, positions] = k
     v_cache[rows, positions] = v
     out = _attend(q, k_cache, v_cache, positions, width, scale=scaling)
-    h = h + F.linear(out.flatten(2), weights.wo)
+    h = h + _project(out.flatten(2), weights.wo)
     x = F.rms_norm(h, (dim,), weights.ffn_norm, eps)
     if weights.gate_up is None:
         return h + ffn(x)
-    gate, up = F.linear(x, weights.gate_up).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, weights.down)
+    gate, up = _project(x, weights.gate_up).chunk(2, dim=-1)
+    return h + _project(F.silu(gate) * up, weights.down)
 
 
 class CachedModels:

@@ -1,0 +1,63 @@
+"""The few-row linear kernel (ops/skinny_linear.py) against F.linear.
+
+On CPU it runs in Triton's interpreter, which must be switched on before Triton is first imported:
+the CPU test runs this file as a script in a fresh process with TRITON_INTERPRET=1 (as
+tests/test_decode_attention.py does). On a GPU it runs compiled, in this process.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# (rows, out features, in features): one row, K not a multiple of the K block, N not a multiple of
+# the N block on both sides of the 4096 switch, the most rows, strided rows of x.
+SHAPES = [(1, 40, 64), (5, 100, 300), (16, 4100, 70), (3, 17, 520), (2, 33, 96)]
+
+
+def largest_error(device, dtype) -> float:
+    from titan_draft.ops.skinny_linear import skinny_linear, skinny_linear_reference
+
+    generator = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for i, (M, N, K) in enumerate(SHAPES):
+        x = torch.randn(M, 2 * K if i == len(SHAPES) - 1 else K, generator=generator, dtype=torch.float64)[:, :K]
+        w = torch.randn(N, K, generator=generator, dtype=torch.float64)
+        x, w = x.to(device, dtype), w.to(device, dtype)
+        out = skinny_linear(x, w)
+        assert out.shape == (M, N) and out.dtype == dtype
+        worst = max(worst, float((out.double() - skinny_linear_reference(x, w).double()).abs().max()))
+    return worst
+
+
+def main():  # the CPU check: run in a fresh process under TRITON_INTERPRET=1
+    error = largest_error("cpu", torch.float64)
+    assert error < 1e-10, error
+    print("ok", error)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test runs the compiled kernel")
+def test_kernel_equals_reference_float64_in_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stdout + result.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_kernel_equals_reference_on_gpu():
+    assert largest_error("cuda", torch.float32) < 1e-3
+    assert largest_error("cuda", torch.bfloat16) < 0.25  # bf16 output rounding of sums of ~500 terms
+
+
+def test_too_many_rows_get_a_clear_error():
+    from titan_draft.ops.skinny_linear import MAX_ROWS, skinny_linear
+
+    with pytest.raises(ValueError, match="at most 16"):
+        skinny_linear(torch.zeros(MAX_ROWS + 1, 8), torch.zeros(4, 8))
+
+
+if __name__ == "__main__":
+    main()
