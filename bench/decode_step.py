@@ -9,8 +9,9 @@ Per batch size B, as the engine runs them (CUDA graphs on CUDA), side by side in
 - roofline_ms: the bytes a plain step must read (every weight but the embedding table, that table's
   B rows, and the live KV cache: B rows x `--context` positions) over the read bandwidth measured
   in the same run (`x.sum()` over a buffer of the weights' size, best of 10).
-Each engine variant (`--variants`: eager kernels, or the blocks compiled by torch.compile) is
-timed on the same shapes; with --profile, a plain step, a verify step and the whole step (drafting
+Each engine variant (`--variants`: eager kernels; the blocks compiled by torch.compile; compiled
+with every projection through cuBLAS instead of the few-row kernel, `rollout.few_row_linear = false`)
+is timed on the same shapes; with --profile, a plain step, a verify step and the whole step (drafting
 included) at the largest K are each split into their kernels by kind (GEMMs, attention, norms,
 compiled Triton, sampling, indexing, ...) and the time the GPU idles between them, from
 torch.profiler over graph replays.
@@ -48,6 +49,9 @@ PRESETS = {
                              "--task.answer_len_max", "40"],
                   context=16, variants=["eager"]),
 }
+# Engine variants: the blocks as PyTorch ops or through torch.compile (rollout.compile), both with the
+# few-row projections (rollout.few_row_linear); compiled_cublas: compiled, every projection through cuBLAS.
+VARIANTS = ["eager", "compiled", "compiled_cublas"]
 # Kernel kinds of the profile, the first matching pattern (of the kernel's name) wins.
 KERNEL_KINDS = [
     ("compiled (Triton)", r"^triton_"),  # inductor's fused kernels (their names list the ops they fuse)
@@ -65,7 +69,7 @@ def parse_args():
     add_job_arguments(p, PRESETS, default="qwen3_1.7b" if torch.cuda.is_available() else "smoke")
     p.add_argument("--batch-sizes", type=int, nargs="+", help="default: the preset's")
     p.add_argument("--context", type=int, help="tokens in each row's cache (default 512; smoke 16)")
-    p.add_argument("--variants", nargs="+", choices=["eager", "compiled"], help="default: both (smoke: eager)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: eager and compiled (smoke: eager)")
     p.add_argument("--repeats", type=int, help="timed replays per step, median kept (default 20)")
     p.add_argument("--profile", action="store_true", help="split steps into kernel kinds (torch.profiler)")
     p.add_argument("--out", help="JSON path (default bench/results/decode_step_<preset>_<device>.json)")
@@ -180,7 +184,8 @@ def build_engine(cfg, policy, draft, layers, batch: int, variant: str) -> Rollou
     engine = RolloutEngine(policy.model_args, draft.args, layers, batch, cfg.training.seq_len, device,
                            compute_dtype(cfg.training.mixed_precision_param, device),
                            options=EngineOptions(max_speculative_tokens=cfg.rollout.num_speculative_tokens,
-                                                 compile=variant == "compiled"))
+                                                 compile=variant != "eager",
+                                                 few_row_linear=variant != "compiled_cublas"))
     engine.load_weights(policy, draft)
     return engine
 

@@ -160,6 +160,7 @@ def main():
     engine = RolloutEngine(job.policy.model_args, job.draft.args, job.spec.tap_layers, max(a.batch_sizes),
                            cfg.training.seq_len, device, compute_dtype(cfg.training.mixed_precision_param, device),
                            options=EngineOptions(max_speculative_tokens=k_max, compile=cfg.rollout.compile,
+                                                 few_row_linear=cfg.rollout.few_row_linear,
                                                  cuda_graphs=not a.no_cuda_graphs))
     engine.load_weights(job.policy, job.draft)
     policy_params, draft_params = (sum(p.numel() for p in m.parameters()) for m in (job.policy, job.draft))

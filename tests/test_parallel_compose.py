@@ -97,7 +97,7 @@ def _worker(rank, world_size, argv):
 
 
 def assert_same_step(single, distributed):
-    (m1, g1), (m2, g2) = single, distributed
+    (_, g1), (_, g2) = single, distributed
     assert g1.keys() == g2.keys()
     assert_same_values(single, distributed)
     assert any(g.abs().sum() > 0 for name, g in g1.items() if name.startswith("draft.midlayer"))

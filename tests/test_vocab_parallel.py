@@ -10,7 +10,6 @@ import math
 import os
 import sys
 
-import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))

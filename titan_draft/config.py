@@ -130,6 +130,10 @@ class Rollout:
     """torch.compile the engine's policy blocks, draft forwards and the acceptance rule on GPUs (fused
     norms, RoPE, cache writes and acceptance arithmetic: fewer kernels per decode step; the rule reads
     the logits once; ignored on CPU). Each new step shape compiles once, in the first steps' rollouts."""
+    few_row_linear: bool = True
+    """On GPUs, the policy's block projections in decode and verify steps of at most 16 rows x positions
+    run a Triton kernel that streams each weight once (ops/skinny_linear.py; its block sizes are the
+    H200's fastest, bench/skinny_linear.py); false: cuBLAS at every size."""
     release_caches: bool = True
     """Give the engine's KV caches (and the CUDA graphs that read them) back after each step's rollouts, so
     the training phase has their memory; false keeps them and their graphs (no re-capture each step)."""

@@ -70,7 +70,8 @@ class RLState:
                                max_batch_size=cfg.rl.prompts_per_step * cfg.rl.group_size,
                                max_seq_len=cfg.training.seq_len, device=job.device,
                                dtype=compute_dtype(cfg.training.mixed_precision_param, job.device),
-                               options=EngineOptions(compile=cfg.rollout.compile))
+                               options=EngineOptions(compile=cfg.rollout.compile,
+                                                     few_row_linear=cfg.rollout.few_row_linear))
         draft_opt.set_lr(cfg.draft.cotrain_lr or cfg.draft.lr)  # RL's rate from here on (a resumed state keeps it)
         return cls(job, policy, draft_opt, engine)
 

@@ -158,24 +158,25 @@ def fuse_block(block) -> BlockWeights:
         down=ffn.w2.weight if dense else None)
 
 
-def _project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [B, S, K] @ w [N, K].T. On CUDA, a step of at most MAX_ROWS rows x positions (batch-1 to
-    -3 decode and verify steps, draft passes of small batches) goes to the few-row kernel, which
-    streams the weights once (ops/skinny_linear.py); more rows to cuBLAS."""
+def _project(x: torch.Tensor, w: torch.Tensor, few_rows: int) -> torch.Tensor:
+    """x [B, S, K] @ w [N, K].T. A step of at most `few_rows` rows x positions (decode and verify
+    steps of a few rows) goes to the few-row kernel, which streams the weights once
+    (ops/skinny_linear.py); more rows to cuBLAS."""
     rows = x.shape[0] * x.shape[1]
-    if x.device.type == "cuda" and rows <= MAX_ROWS:
+    if rows <= few_rows:
         return skinny_linear(x.reshape(rows, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w)
 
 
 def block_forward(h, weights: BlockWeights, rope, positions, rows, width: int, k_cache, v_cache, *, rotary,
-                  n_heads: int, n_kv_heads: int, head_dim: int, eps: float, scaling: float | None, ffn=None):
+                  n_heads: int, n_kv_heads: int, head_dim: int, eps: float, scaling: float | None, few_rows: int = 0,
+                  ffn=None):
     """torchtitan's TransformerBlock.forward on BlockWeights, with attention over a static cache:
     the new keys/values go to slots `positions` of rows `rows`, and each query attends the slots
     up to its position (all below `width`). ffn: the MoE module of a block without gate_up."""
     B, S, dim = h.shape
     x = F.rms_norm(h, (dim,), weights.attention_norm, eps)
-    q, k, v = _project(x, weights.qkv).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
+    q, k, v = _project(x, weights.qkv, few_rows).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
     q, k, v = q.view(B, S, n_heads, head_dim), k.view(B, S, n_kv_heads, head_dim), v.view(B, S, n_kv_heads, head_dim)
     if weights.q_norm is not None:  # qwen3
         q = F.rms_norm(q, (head_dim,), weights.q_norm, eps)
@@ -184,12 +185,12 @@ def block_forward(h, weights: BlockWeights, rope, positions, rows, width: int, k
     k_cache[rows, positions] = k
     v_cache[rows, positions] = v
     out = _attend(q, k_cache, v_cache, positions, width, scale=scaling)
-    h = h + _project(out.flatten(2), weights.wo)
+    h = h + _project(out.flatten(2), weights.wo, few_rows)
     x = F.rms_norm(h, (dim,), weights.ffn_norm, eps)
     if weights.gate_up is None:
         return h + ffn(x)
-    gate, up = _project(x, weights.gate_up).chunk(2, dim=-1)
-    return h + _project(F.silu(gate) * up, weights.down)
+    gate, up = _project(x, weights.gate_up, few_rows).chunk(2, dim=-1)
+    return h + _project(F.silu(gate) * up, weights.down, few_rows)
 
 
 class CachedModels:
@@ -198,9 +199,11 @@ class CachedModels:
     forward writes and reads them in place, with no host synchronisation."""
 
     def __init__(self, policy_args, draft_args: DraftArgs | None, tap_layers, max_slots: int, device, dtype,
-                 compile: bool = False):
+                 compile: bool = False, few_row_linear: bool = False):
         """max_slots: the most cache slots (RoPE positions) any call uses. compile: torch.compile the
-        policy's block forward (one compiled function serves every block: their weights are inputs)."""
+        policy's block forward (one compiled function serves every block: their weights are inputs).
+        few_row_linear: on CUDA, the block projections of calls of at most MAX_ROWS rows x positions
+        run the few-row kernel (ops/skinny_linear.py) instead of cuBLAS."""
         family = family_of_args(policy_args)
         rope_name = family.rope_buffer
         self.tap_layers = sorted(tap_layers)
@@ -216,7 +219,8 @@ class CachedModels:
         attn = self.policy.layers["0"].attention
         self._block_shape = dict(rotary=family.apply_rotary_emb, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
                                  head_dim=attn.head_dim, eps=policy_args.norm_eps,
-                                 scaling=getattr(attn, "scaling", None))
+                                 scaling=getattr(attn, "scaling", None),
+                                 few_rows=MAX_ROWS if few_row_linear and torch.device(device).type == "cuda" else 0)
         self.block = compile_for_decoding(block_forward) if compile else block_forward
         self.draft = None
         if draft_args is not None:

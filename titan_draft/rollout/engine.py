@@ -189,6 +189,9 @@ class EngineOptions:
     compile: torch.compile the policy's block forward, the draft's forwards and the acceptance rule
     (`sampling.accept_drawn`) (on CUDA devices; ignored elsewhere). The first calls of each
     new step shape then take seconds to compile.
+    few_row_linear: the policy's block projections of calls of at most 16 rows x positions (decode
+    and verify steps at small batch) run a Triton kernel that streams each weight once
+    (ops/skinny_linear.py) instead of cuBLAS (on CUDA devices; ignored elsewhere).
     cuda_graphs: replay prefill and decode steps as CUDA graphs (on CUDA devices; ignored elsewhere).
     compact: move the running rows to the front of the state when they fit a smaller bucket.
     min_bucket: the fewest slots a compacted batch runs in. Below ~16 rows a step costs about the
@@ -197,6 +200,7 @@ class EngineOptions:
 
     max_speculative_tokens: int = 8
     compile: bool = False
+    few_row_linear: bool = True
     cuda_graphs: bool = True
     compact: bool = True
     min_bucket: int = 16
@@ -226,7 +230,7 @@ class RolloutEngine:
 
         compile = self.compiled = options.compile and self.device.type == "cuda"
         self.model = CachedModels(policy_args, draft_args, tap_layers, self.max_slots, self.device, dtype,
-                                  compile=compile)
+                                  compile=compile, few_row_linear=options.few_row_linear)
         self._target_ids = None  # the draft's vocabulary as target ids (load_weights)
 
         # What the loop reads once per step (StepStatus), and its fields as views the steps write.
