@@ -178,21 +178,28 @@ class Prober:
     def probe(self, prompts: int) -> dict:
         """Both phases of `prompts` prompts (after the job's first step, on one group, if it has not made it):
         the peak GiB allocated and reserved in each (PhasePeak; None off CUDA, or when the phase did not
-        complete), which one ran out of memory (first_step, rollout, train; None: none), seconds."""
+        complete), which one ran out of memory (first_step, rollout, train; None: none), seconds in all and
+        per phase (phase_seconds: what a probe's time goes to, for planning device time)."""
         s, start = self.state, time.perf_counter()
         rollouts = self.rollouts(prompts)
         record = {"prompts": prompts, "rollouts": len(rollouts.tokens), "tokens_per_rollout": rollouts.tokens.shape[1],
-                  "oom": None, **dict.fromkeys(MEMORY_KEYS)}
-        phase = "first_step"
+                  "oom": None, **dict.fromkeys(MEMORY_KEYS), "phase_seconds": {}}
+        phase, phase_start = "first_step", time.perf_counter()
+
+        def next_phase(name: str) -> None:
+            nonlocal phase, phase_start
+            record["phase_seconds"][phase] = time.perf_counter() - phase_start
+            phase, phase_start = name, time.perf_counter()
+
         try:
             if not self.stepped:  # from a job's second step on, the optimizers' states are there
                 train_step(s, self.rollouts(1))
                 self.stepped = True
-            phase = "rollout"
+            next_phase("rollout")
             with PhasePeak(s.job.device) as peak:
                 rollout_phase(s, rollouts.prompts, self.budget)
             record.update(peak_gib_rollout=peak.gib, reserved_gib_rollout=peak.reserved_gib)
-            phase = "train"
+            next_phase("train")
             with PhasePeak(s.job.device) as peak:
                 train_step(s, rollouts)
             record.update(peak_gib_train=peak.gib, reserved_gib_train=peak.reserved_gib)
@@ -200,6 +207,7 @@ class Prober:
             if not out_of_memory(err):
                 raise
             record["oom"] = phase
+        record["phase_seconds"][phase] = time.perf_counter() - phase_start
         record["seconds"] = time.perf_counter() - start
         s.engine.release_caches()  # the next probe starts without them (release_caches = false kept them)
         gc.collect()

@@ -231,6 +231,8 @@ def test_memory_table_tiny_probes_end_to_end(tmp_path):
         (probe,) = report["probes"][name]
         assert (probe["prompts"], probe["rollouts"], probe["fits"], probe["oom"]) == (4, 16, True, None)
         assert 0 < probe["tokens_per_rollout"] <= 16 and probe["seconds"] > 0  # training.seq_len = 16
+        phases = probe["phase_seconds"]  # the job's first step, then the probe's two phases
+        assert list(phases) == ["first_step", "rollout", "train"] and sum(phases.values()) <= probe["seconds"]
         for key in ("peak_gib_rollout", "reserved_gib_rollout", "peak_gib_train", "reserved_gib_train"):
             assert row[key] is None and probe[key] is None  # no memory statistics off CUDA
     run_bench("bench.memory_table", *args, "--resume")  # every probe is in the file: none is made again
