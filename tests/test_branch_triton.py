@@ -3,14 +3,17 @@
 
 On CPU they run in Triton's interpreter, which must be switched on before Triton is first
 imported (torchtitan imports it with this process): so the CPU test runs this file as a script in
-a fresh process with TRITON_INTERPRET=1. On a GPU they run as compiled kernels, in this process.
+a fresh process with TRITON_INTERPRET=1 (tests/triton_interpreter.py). On a GPU they run as
+compiled kernels, in this process.
 """
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from triton_interpreter import run_in_interpreter  # noqa: E402
 
 # (tokens, q heads, kv heads, head_dim, passes): query heads per kv head of 1, 2 and 3 (not a
 # power of two), head_dim not a power of two, token counts that are not a multiple of a block.
@@ -51,10 +54,7 @@ def check_against_reference(device, dtype, out_dtype, tolerance):
 
 
 def test_interpreted_kernels_match_reference_float64():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_in_interpreter(__file__)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -68,4 +68,4 @@ def test_cuda_kernels_match_reference():
 if __name__ == "__main__":
     check_against_reference("cpu", torch.float64, torch.float64, 1e-12)
     check_against_reference("cpu", torch.float32, torch.float32, 1e-5)
-    print("branch kernels match")
+    print("ok: the branch kernels match")

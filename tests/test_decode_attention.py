@@ -1,15 +1,17 @@
 """The decode-attention kernels (ops/decode_attention.py) against their dense reference.
 
 On CPU they run in Triton's interpreter, which must be switched on before Triton is first imported:
-the CPU test runs this file as a script in a fresh process with TRITON_INTERPRET=1 (as
-tests/test_branch_triton.py does). On a GPU they run as compiled kernels, in this process.
+the CPU test runs this file as a script in a fresh process with TRITON_INTERPRET=1
+(tests/triton_interpreter.py). On a GPU they run as compiled kernels, in this process.
 """
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from triton_interpreter import run_in_interpreter  # noqa: E402
 
 # (rows, queries per row, q heads, kv heads, head_dim, cache slots, width): GQA groups of 1, 2 and 3,
 # a head_dim that is not a power of two, widths over several key blocks and chunks, fewer slots than a block.
@@ -49,11 +51,7 @@ def main():  # the CPU check: run in a fresh process under TRITON_INTERPRET=1
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test runs the compiled kernels")
 def test_kernels_equal_reference_float64_in_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stdout + result.stderr
+    run_in_interpreter(__file__)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

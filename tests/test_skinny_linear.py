@@ -1,15 +1,17 @@
 """The few-row linear kernel (ops/skinny_linear.py) against F.linear.
 
 On CPU it runs in Triton's interpreter, which must be switched on before Triton is first imported:
-the CPU test runs this file as a script in a fresh process with TRITON_INTERPRET=1 (as
-tests/test_decode_attention.py does). On a GPU it runs compiled, in this process.
+the CPU test runs this file as a script in a fresh process with TRITON_INTERPRET=1
+(tests/triton_interpreter.py). On a GPU it runs compiled, in this process.
 """
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from triton_interpreter import run_in_interpreter  # noqa: E402
 
 # (rows, out features, in features): one row, K not a multiple of the K block, N not a multiple of
 # the N block on both sides of the 4096 switch, the most rows, strided rows of x.
@@ -39,11 +41,7 @@ def main():  # the CPU check: run in a fresh process under TRITON_INTERPRET=1
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test runs the compiled kernel")
 def test_kernel_equals_reference_float64_in_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stdout + result.stderr
+    run_in_interpreter(__file__)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
