@@ -2,7 +2,8 @@
 
 On CPU it runs in Triton's interpreter, which must be switched on before Triton is first imported:
 the CPU test runs this file as a script in a fresh process with TRITON_INTERPRET=1
-(tests/triton_interpreter.py). On a GPU it runs compiled, in this process.
+(tests/triton_interpreter.py), the kernel alone and in the rollout engine's blocks. On a GPU it runs
+compiled, in this process (tests/test_rollout_engine.py has the engine's GPU check).
 """
 import os
 import sys
@@ -33,10 +34,41 @@ def largest_error(device, dtype) -> float:
     return worst
 
 
+def engine_with_few_row_kernels_equals_reference_ops() -> int:
+    """The rollout engine's blocks with the few-row kernels emit the tokens of the same engine on
+    cuBLAS's ops (here F.linear on CPU): float64, plain sampled, greedy and sampled speculative steps
+    (3 rows x up to 4 positions: every decode and verify step takes the kernels). Returns the kernel
+    calls made."""
+    import titan_draft.rollout.cached_model as cached_model
+    from test_rollout_engine import engine_for, make, variable_prompts
+
+    calls = 0
+    kernel = cached_model.skinny_linear
+
+    def counted(*args):
+        nonlocal calls
+        calls += 1
+        return kernel(*args)
+
+    cached_model.skinny_linear = counted
+    policy, draft, reference = make()
+    few_row = engine_for(policy, draft, 4)
+    few_row.model._block_shape["few_rows"] = cached_model.MAX_ROWS  # CUDA's setting, here in the interpreter
+    for K, temperature in ((0, 1.0), (3, 0.0), (3, 1.0)):
+        a, b = (engine.generate(variable_prompts([5, 3, 7], seed=8), 12, num_speculative_tokens=K,
+                                temperature=temperature, eos_id=5, generator=torch.Generator().manual_seed(1))
+                for engine in (few_row, reference))
+        assert torch.equal(a.tokens, b.tokens), (K, temperature)
+    cached_model.skinny_linear = kernel
+    return calls
+
+
 def main():  # the CPU check: run in a fresh process under TRITON_INTERPRET=1
     error = largest_error("cpu", torch.float64)
     assert error < 1e-10, error
-    print("ok", error)
+    calls = engine_with_few_row_kernels_equals_reference_ops()
+    assert calls > 0
+    print("ok", error, calls)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test runs the compiled kernel")
