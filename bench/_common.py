@@ -76,6 +76,25 @@ def median_time(step, warmup: int, iters: int, device: torch.device, group=None,
     return statistics.median(times), peak
 
 
+GRAPH_REPLAYS = 10  # graph replays per timed call of graph_milliseconds: sub-millisecond calls, timed between syncs
+
+
+def graph_milliseconds(fn, device: torch.device, iters: int) -> float:
+    """Milliseconds of one fn() call (no arguments; it works on tensors it holds), replayed from a
+    CUDA graph on CUDA as the engine runs its steps: the median of `iters` timed calls of
+    GRAPH_REPLAYS replays each, after the capture and one replay. Off CUDA, fn itself."""
+    if device.type == "cuda":
+        from titan_draft.rollout.graphs import CapturedCall  # the engine's capture (side-stream warm-up)
+
+        fn = CapturedCall(fn, torch.Generator(device), torch.cuda.graph_pool_handle())
+
+    def replays():
+        for _ in range(GRAPH_REPLAYS):
+            fn()
+
+    return 1e3 * median_time(replays, 2, iters, device)[0] / GRAPH_REPLAYS
+
+
 def device_time(step, calls: int, device: torch.device) -> float | None:
     """Seconds of GPU work per call of step(): the summed durations of the kernels, copies and
     fills it runs (torch.profiler), whatever the host adds around them; None off CUDA. Beside a

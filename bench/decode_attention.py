@@ -17,11 +17,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench._common import REPO_ROOT, device_tag, environment, median_time, write_json
+from bench._common import REPO_ROOT, device_tag, environment, graph_milliseconds, write_json
 from titan_draft.rollout.cached_model import _attend
-from titan_draft.rollout.graphs import CapturedCall
-
-REPLAYS = 10  # graph replays per timed call: sub-millisecond calls, timed between device syncs
 
 
 def sdpa_gqa(q, k_cache, v_cache, mask):
@@ -29,17 +26,6 @@ def sdpa_gqa(q, k_cache, v_cache, mask):
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                                          attn_mask=mask[:, None], enable_gqa=True)
     return out.transpose(1, 2)
-
-
-def milliseconds(fn, device: torch.device, iters: int) -> float:
-    """Milliseconds of one fn() call, replayed from a CUDA graph on CUDA."""
-    call = CapturedCall(fn, torch.Generator(device), torch.cuda.graph_pool_handle()) if device.type == "cuda" else fn
-
-    def replays():
-        for _ in range(REPLAYS):
-            call()
-
-    return 1e3 * median_time(replays, 2, iters, device)[0] / REPLAYS
 
 
 def main():
@@ -72,8 +58,8 @@ def main():
                 engine_call = lambda: _attend(q, k_cache, v_cache, positions, L)  # noqa: E731
                 sdpa_call = lambda: sdpa_gqa(q, k_cache, v_cache, mask)  # noqa: E731
                 torch.testing.assert_close(engine_call(), sdpa_call(), rtol=2e-2, atol=2e-2)
-                sdpa = milliseconds(sdpa_call, device, a.iters)
-                engine = milliseconds(engine_call, device, a.iters)
+                sdpa = graph_milliseconds(sdpa_call, device, a.iters)
+                engine = graph_milliseconds(engine_call, device, a.iters)
                 rows.append(dict(batch=B, queries=S, width=L, sdpa_ms=sdpa, engine_ms=engine,
                                  sdpa_over_engine=sdpa / engine))
                 print(f"{B:>5} {S:>3} {L:>5} {sdpa:>8.4f} {engine:>9.4f} {sdpa / engine:>10.2f}x", flush=True)

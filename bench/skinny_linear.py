@@ -3,9 +3,10 @@ cuBLASLt and the few-row Triton kernel (titan_draft/ops/skinny_linear.py) side b
 process, with the kernel's shipped configuration and the best one of a sweep.
 
 Each projection (q/k/v, wo, gate/up, down in the engine's fused layout, cached_model.fuse_block) is
-timed as a CUDA graph of one call per block, each on its own weight matrix, as a decode step runs them:
-no weight is read from L2 twice. Columns: microseconds per call and the read rate (the weight's bytes
-over the time) for each kernel; the sweep's best (BLOCK_N, BLOCK_K, warps, stages).
+timed as a CUDA graph of one call per block, each on its own weight matrix, as a decode step runs them
+(no weight is read from L2 twice): the median of --iters timed calls (bench._common.graph_milliseconds).
+Columns: microseconds per call and the read rate (the weight's bytes over the time) for each kernel;
+the sweep's best (BLOCK_N, BLOCK_K, warps, stages).
 
   python -m bench.skinny_linear                       # one GPU: the Qwen3-1.7B blocks (~2 min with --sweep)
   python -m bench.skinny_linear --sweep --rows 1 16   # also every configuration of the sweep
@@ -21,7 +22,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench._common import REPO_ROOT, device_tag, environment, write_json
+from bench._common import REPO_ROOT, device_tag, environment, graph_milliseconds, write_json
 from titan_draft.ops.skinny_linear import _config, launch
 
 SWEEP = list(itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6)))
@@ -37,27 +38,9 @@ def projection_shapes(name: str, flavor: str) -> dict[str, tuple[int, int]]:
     return {key: tuple(getattr(weights, key).shape) for key in ("qkv", "wo", "gate_up", "down")}
 
 
-def microseconds(calls, iters: int) -> float:
-    """Microseconds per call of a CUDA graph of `calls` (best of `iters` replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # warm-up: Triton compiles, cuBLAS picks its kernels
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    best = float("inf")
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return 1e3 * best / len(calls)
+def microseconds(calls, device: torch.device, iters: int) -> float:
+    """Microseconds per call of `calls`, all of them one CUDA graph (graph_milliseconds)."""
+    return 1e3 * graph_milliseconds(lambda: [call() for call in calls], device, iters) / len(calls)
 
 
 def main():
@@ -67,7 +50,7 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 16], help="rows of x (<= 16)")
     p.add_argument("--blocks", type=int, default=28, help="distinct weight matrices per graph (the model's blocks)")
     p.add_argument("--sweep", action="store_true", help="time every (BLOCK_N, BLOCK_K, warps, stages) of SWEEP too")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -92,24 +75,25 @@ def main():
             times = {}
             for library in ("cublas", "cublaslt"):
                 torch.backends.cuda.preferred_blas_library(library)
-                times[library] = microseconds([lambda w=w: F.linear(x, w) for w in weights], a.iters)
+                times[library] = microseconds([lambda w=w: F.linear(x, w) for w in weights], device, a.iters)
             torch.backends.cuda.preferred_blas_library("cublas")
-            times["triton"] = microseconds([lambda w=w: launch(x, w, shipped) for w in weights], a.iters)
+            times["triton"] = microseconds([lambda w=w: launch(x, w, shipped) for w in weights], device, a.iters)
             best_config, best = shipped, times["triton"]
             for config in SWEEP if a.sweep else ():
                 try:
-                    t = microseconds([lambda w=w: launch(x, w, config) for w in weights], a.iters)
+                    t = microseconds([lambda w=w: launch(x, w, config) for w in weights], device, a.iters)
                 except RuntimeError:  # triton.runtime.errors.OutOfResources: shared memory
                     continue
                 if t < best:
                     best_config, best = config, t
+            times["best"] = best
             rate = {key: N * K * 2 / t / 1e6 for key, t in times.items()}  # bytes / us -> TB/s
             rows.append(dict(projection=name, N=N, K=K, M=M, cublas_us=times["cublas"], cublaslt_us=times["cublaslt"],
                              triton_us=times["triton"], triton_config=shipped, best_us=best, best_config=best_config,
-                             cublas_TBps=rate["cublas"], triton_TBps=rate["triton"], best_TBps=N * K * 2 / best / 1e6))
+                             cublas_TBps=rate["cublas"], triton_TBps=rate["triton"], best_TBps=rate["best"]))
             say(f"{name:>8} {N:>6} {K:>5} {M:>3} | {times['cublas']:>9.2f} {times['cublaslt']:>8.2f} "
                 f"{times['triton']:>7.2f} {best:>7.2f} | {rate['cublas']:.2f} / {rate['triton']:.2f} / "
-                f"{N * K * 2 / best / 1e6:.2f} | {best_config}")
+                f"{rate['best']:.2f} | {best_config}")
     out = a.out or os.path.join(REPO_ROOT, "bench", "results", f"skinny_linear_{a.flavor}_{device_tag(device)}.json")
     write_json(out, dict(args=vars(a), **environment(), rows=rows))
     with open(os.path.splitext(out)[0] + ".txt", "w") as f:
