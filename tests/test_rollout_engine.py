@@ -608,23 +608,6 @@ def test_cuda_graph_steps_equal_eager_steps(K, temperature):
     assert replayed
 
 
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="the few-row kernel runs on CUDA")
-@pytest.mark.parametrize("K, temperature", [(0, 1.0), (3, 1.0)])
-def test_few_row_projections_equal_cublas_projections(K, temperature):
-    """rollout.few_row_linear: the steps of at most 16 rows x positions (here all decode and verify
-    steps) with the few-row kernel give the tokens and statistics of the same steps through cuBLAS
-    (float64: the sums differ in order only)."""
-    policy, draft, _ = make()
-    few_row, cublas = (engine_for(policy, draft, 4, few_row_linear=on) for on in (True, False))
-    assert few_row.model._block_shape["few_rows"] == 16 and cublas.model._block_shape["few_rows"] == 0
-    for call in range(2):
-        prompts = variable_prompts([5, 3, 7], seed=8 + call)
-        a, b = (e.generate(prompts, 20, num_speculative_tokens=K, temperature=temperature, eos_id=5,
-                           generator=torch.Generator().manual_seed(call)) for e in (few_row, cublas))
-        assert torch.equal(a.tokens, b.tokens), call
-        assert (a.num_verify_forwards, a.emitted_tokens) == (b.num_verify_forwards, b.emitted_tokens)
-
-
 def test_unreplayed_calls_count_the_calls_without_a_graph_replay():
     """Every engine call of a generate runs eagerly before its shape's capture: counted. On CPU
     (no CUDA graphs) nothing is counted; on CUDA the same greedy call repeated reaches 0, once

@@ -3,7 +3,7 @@
 On CPU it runs in Triton's interpreter, which must be switched on before Triton is first imported:
 the CPU test runs this file as a script in a fresh process with TRITON_INTERPRET=1
 (tests/triton_interpreter.py), the kernel alone and in the rollout engine's blocks. On a GPU it runs
-compiled, in this process (tests/test_rollout_engine.py has the engine's GPU check).
+compiled, in this process.
 """
 import os
 import sys
@@ -35,10 +35,10 @@ def largest_error(device, dtype) -> float:
 
 
 def engine_with_few_row_kernels_equals_reference_ops() -> int:
-    """The rollout engine's blocks with the few-row kernels emit the tokens of the same engine on
-    cuBLAS's ops (here F.linear on CPU): float64, plain sampled, greedy and sampled speculative steps
-    (3 rows x up to 4 positions: every decode and verify step takes the kernels). Returns the kernel
-    calls made."""
+    """rollout.few_row_linear: the rollout engine's blocks with the few-row kernels emit the tokens and
+    statistics of the same engine on cuBLAS's ops (F.linear): float64 (the sums differ in order
+    only), plain sampled, greedy and sampled speculative steps, two calls each (3 rows x up to 4
+    positions: every decode and verify step takes the kernels). Returns the kernel calls made."""
     import titan_draft.rollout.cached_model as cached_model
     from test_rollout_engine import engine_for, make, variable_prompts
 
@@ -51,14 +51,17 @@ def engine_with_few_row_kernels_equals_reference_ops() -> int:
         return kernel(*args)
 
     cached_model.skinny_linear = counted
-    policy, draft, reference = make()
-    few_row = engine_for(policy, draft, 4)
-    few_row.model._block_shape["few_rows"] = cached_model.MAX_ROWS  # CUDA's setting, here in the interpreter
+    policy, draft, _ = make()
+    few_row, reference = (engine_for(policy, draft, 4, few_row_linear=on) for on in (True, False))
+    assert reference.model._block_shape["few_rows"] == 0
+    few_row.model._block_shape["few_rows"] = cached_model.MAX_ROWS  # CUDA's setting (on CPU: the interpreter's)
     for K, temperature in ((0, 1.0), (3, 0.0), (3, 1.0)):
-        a, b = (engine.generate(variable_prompts([5, 3, 7], seed=8), 12, num_speculative_tokens=K,
-                                temperature=temperature, eos_id=5, generator=torch.Generator().manual_seed(1))
-                for engine in (few_row, reference))
-        assert torch.equal(a.tokens, b.tokens), (K, temperature)
+        for call in range(2):
+            a, b = (engine.generate(variable_prompts([5, 3, 7], seed=8 + call), 20, num_speculative_tokens=K,
+                                    temperature=temperature, eos_id=5, generator=torch.Generator().manual_seed(call))
+                    for engine in (few_row, reference))
+            assert torch.equal(a.tokens, b.tokens), (K, temperature, call)
+            assert (a.num_verify_forwards, a.emitted_tokens) == (b.num_verify_forwards, b.emitted_tokens)
     cached_model.skinny_linear = kernel
     return calls
 
@@ -80,6 +83,7 @@ def test_kernel_equals_reference_float64_in_triton_interpreter():
 def test_kernel_equals_reference_on_gpu():
     assert largest_error("cuda", torch.float32) < 1e-3
     assert largest_error("cuda", torch.bfloat16) < 0.25  # bf16 output rounding of sums of ~500 terms
+    assert engine_with_few_row_kernels_equals_reference_ops() > 0
 
 
 def test_too_many_rows_get_a_clear_error():
