@@ -119,8 +119,9 @@ def test_compiled_acceptance_rule_equals_the_eager_rule_one_graph_per_shape():
     """The engine's compiled acceptance rule (`engine.compiled_accept_rule`, static shapes) emits what
     the eager rule emits on the shapes a run meets (row buckets incl. 1, K = 1 and 4, top-p on and
     off) from the same random numbers, in one graph per shape with no graph break (a step shape is a
-    row bucket x K: cached_model.RECOMPILE_LIMIT covers those of calls of up to 8,192 rows at K <= 8). float64 logits: the fused
-    log-normalisers round differently from the eager ones, by far less than any accept test's margin."""
+    row bucket x K: cached_model.RECOMPILE_LIMIT covers those of calls of up to 8,192 rows at K <= 8).
+    float64 logits: the fused log-normalisers round differently from the eager ones, by far less
+    than any accept test's margin."""
     from torch._dynamo.utils import counters
 
     from titan_draft.rollout.engine import compiled_accept_rule
