@@ -64,8 +64,13 @@ CASES = [  # (world size, overrides, exact message)
      "(parallelism.pipeline_parallel_degree 2 x pipeline_parallel_microbatch_size 2 x training.seq_len 64); use 0 "
      "or >= 256"),
     (1, ["--activation_checkpoint.mode", "memory_budget"],
-     "activation_checkpoint.mode: 'memory_budget' needs a compiled model, which titan_draft does not compile; use "
-     "'none', 'selective' or 'full'"),
+     "activation_checkpoint.mode: 'memory_budget' needs the model compiled; set compile.enable = true (with 'model' "
+     "in compile.components) or use 'none', 'selective' or 'full'"),
+    (1, ["--compile.enable", "--compile.components", "model,optimizer"],
+     "compile.components: ['optimizer'] unknown; use 'model' and/or 'loss'"),
+    (2, ["--compile.enable", "--parallelism.context_parallel_degree", "2"],
+     "compile.enable: context parallelism's ring attention is not compiled; set compile.enable = false or "
+     "parallelism.context_parallel_degree = 1"),
     (1, ["--checkpoint.async_mode", "async"],
      "checkpoint.async_mode: 'async' is not supported; use 'disabled'"),
     (1, ["--checkpoint.last_save_in_hf"],

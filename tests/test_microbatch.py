@@ -17,6 +17,7 @@ from titan_draft.models.cotrain import DraftOptimizer
 from titan_draft.models.policy import job_model_args, policy_from_args
 from titan_draft.plan import build_parallel_dims, build_plan
 from titan_draft.rl.warmstart import WarmStartRun, draft_vocab_from_data, next_token_loss_backward, sft_batch
+from titan_draft.rollout.weights import unwrapped_name
 from titan_draft.train import RLState, train_step
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -50,7 +51,7 @@ def step(*overrides, mode="cotrain"):
 
     def capture(prefix, module):
         def hook(*_):
-            grads.update({prefix + name.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()  # AC's wrapper
+            grads.update({prefix + unwrapped_name(name): p.grad.clone()  # AC's and compile's wrappers
                           for name, p in module.named_parameters() if p.grad is not None})
         return hook
 

@@ -258,9 +258,7 @@ def validate(cfg, world_size: int):
     check_task(cfg, vocab_size, plan)  # the task's own lengths, data and tokenizer
     need(cfg.training.seq_len % (2 * cp) == 0, f"training.seq_len: {cfg.training.seq_len} is not divisible by "
          f"2 * context_parallel_degree = {2 * cp}; use a multiple of {2 * cp}")
-    ac = cfg.activation_checkpoint.mode
-    need(ac != "memory_budget", f"activation_checkpoint.mode: '{ac}' needs a compiled model, which titan_draft "
-         "does not compile; use 'none', 'selective' or 'full'")
+    _validate_compile(cfg, need)
     pp = p.pipeline_parallel_degree
     need(pp <= n_layers, f"parallelism.pipeline_parallel_degree: {pp} exceeds the policy's {n_layers} layers")
     _validate_composition(cfg, plan, args, need)
@@ -311,6 +309,19 @@ def _type_name(hint) -> str:
     if typing.get_origin(hint) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
     return getattr(hint, "__name__", str(hint)) if isinstance(hint, type) else str(hint)
+
+
+def _validate_compile(cfg, need) -> None:
+    """torchtitan's [compile] and what needs it (titan_draft/parallel/parallelize.py compiles_policy)."""
+    from titan_draft.parallel.parallelize import compiles_policy
+
+    c, ac = cfg.compile, cfg.activation_checkpoint.mode
+    unknown = sorted(set(c.components) - {"model", "loss"})
+    need(not unknown, f"compile.components: {unknown} unknown; use 'model' and/or 'loss'")
+    need(ac != "memory_budget" or compiles_policy(cfg), f"activation_checkpoint.mode: '{ac}' needs the model "
+         "compiled; set compile.enable = true (with 'model' in compile.components) or use 'none', 'selective' or 'full'")
+    need(not (c.enable and cfg.parallelism.context_parallel_degree > 1), "compile.enable: context parallelism's ring "
+         "attention is not compiled; set compile.enable = false or parallelism.context_parallel_degree = 1")
 
 
 def _validate_composition(cfg, plan, args, need) -> None:

@@ -33,6 +33,7 @@ Backends for attn_forward / attn_backward, chosen by TITAN_DRAFT_ATTN_BACKEND
                 batches of documents capped at MATH_BATCH_ELEMENTS scores.
 auto picks the first of these that can run the given tensors.
 """
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -204,16 +205,21 @@ def attn_backward(dout, q, k, v, out, lse, varlen: Varlen, scale: float):
     return _BACKWARD[_select_backend(q)](dout, q, k, v, out, lse, varlen, scale)
 
 
+def autocast_off(device_type: str):
+    """A context with autocast off on `device_type` (nothing to enter where it is off already)."""
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
 def outside_autocast(forward):
-    """For an attention autograd.Function's forward: run it with autocast off. Its primitives pick
-    their arithmetic from the input dtypes (float32 softmax, flash kernels for bf16); under
-    autocast the math backend's float32 einsums would silently run in bf16, unlike the backward,
+    """For an attention forward (an autograd.Function's, ctx first): run it with autocast off. Its
+    primitives pick their arithmetic from the input dtypes (float32 softmax, flash kernels for bf16);
+    under autocast the math backend's float32 einsums would silently run in bf16, unlike the backward,
     which autocast never reaches and which recomputes probabilities from the forward's lse."""
     @functools.wraps(forward)
     def wrapper(ctx, q, *args):
-        if not torch.is_autocast_enabled(q.device.type):  # the usual case: no context to enter
-            return forward(ctx, q, *args)
-        with torch.autocast(q.device.type, enabled=False):
+        with autocast_off(q.device.type):
             return forward(ctx, q, *args)
     return wrapper
 

@@ -6,6 +6,10 @@ P keys per query). branch_attention computes the trunk with the attention_kernel
 (cuDNN or FlashAttention-2 on a GPU), the branch in closed form (one Triton kernel each way on a
 GPU), and merges both through their log-sum-exp; branch_attention_reference is the same thing
 written densely, to check it against.
+
+With no branch (the policy's attention) it is plain causal attention per packed document, served by
+one opaque custom op with its backward (`titan_draft::packed_attention`): torch.compile takes a
+block that calls it whole (fullgraph), the op reading the documents' bounds on the host at run time.
 """
 import functools
 
@@ -13,9 +17,11 @@ import torch
 
 from titan_draft.ops.attention_kernels import (
     Varlen,
+    _compute_dtype,
     add_branch,
     attn_backward,
     attn_forward,
+    autocast_off,
     branch_grads,
     host_bounds,
     outside_autocast,
@@ -97,12 +103,64 @@ def branch_attention(q, k, v, branch_k=None, branch_v=None, cu_seqlens=None, sca
     Memory beyond inputs and outputs: the attention kernels' O(T); on CPU also float32 branch
     temporaries of attention_kernels.ROWS_PER_CHUNK rows.
     """
-    cu_seqlens, bounds, _ = _validate(q, k, v, branch_k, branch_v, cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    longest = max(end - start for start, end in zip(bounds, bounds[1:]))
-    varlen = Varlen.packed_causal(cu_seqlens, longest)
-    return _BranchAttention.apply(q, k, v, branch_k, branch_v, varlen, scale)
+    if branch_k is None and branch_v is None:
+        if cu_seqlens is None:
+            cu_seqlens = _one_document(q.shape[0], q.device)
+        return torch.ops.titan_draft.packed_attention(q, k, v, cu_seqlens, scale)
+    cu_seqlens, bounds, _ = _validate(q, k, v, branch_k, branch_v, cu_seqlens)
+    return _BranchAttention.apply(q, k, v, branch_k, branch_v, _packed_varlen(cu_seqlens, bounds), scale)
+
+
+def _packed_varlen(cu_seqlens: torch.Tensor, bounds: tuple[int, ...]) -> Varlen:
+    return Varlen.packed_causal(cu_seqlens, max(end - start for start, end in zip(bounds, bounds[1:])))
+
+
+@torch.library.custom_op("titan_draft::packed_attention", mutates_args=())
+def _packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """branch_attention with no branch: (out, lse)."""
+    cu_seqlens, bounds, _ = _validate(q, k, v, None, None, cu_seqlens)
+    with autocast_off(q.device.type):
+        return attn_forward(q, k, v, _packed_varlen(cu_seqlens, bounds), scale)
+
+
+@_packed_attention.register_fake
+def _(q, k, v, cu_seqlens, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=_compute_dtype(q.dtype))
+
+
+@torch.library.custom_op("titan_draft::packed_attention_backward", mutates_args=())
+def _packed_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor,
+                               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of packed_attention, from its out and lse."""
+    cu_seqlens, bounds, _ = _validate(q, k, v, None, None, cu_seqlens)
+    return attn_backward(dout, q, k, v, out, lse, _packed_varlen(cu_seqlens, bounds), scale)
+
+
+@_packed_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _packed_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _packed_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = torch.ops.titan_draft.packed_attention_backward(dout.contiguous(), q, k, v, out, lse, cu_seqlens,
+                                                                  ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_packed_attention.register_autograd(_packed_backward, setup_context=_packed_setup_context)
 
 
 def branch_attention_reference(q, k, v, branch_k=None, branch_v=None, cu_seqlens=None,

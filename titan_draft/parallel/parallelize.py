@@ -13,6 +13,8 @@
   loss_parallel implements only class-index targets).
 - Context parallel (cp): the RL step shards each packed batch with titan_draft.parallel's
   apply_context_parallel (train.py); warm starts run whole batches on every rank.
+- torch.compile ([compile] enable with "model" in components): torchtitan's apply_compile, each policy
+  block compiled whole after TP and before FSDP; the draft runs eagerly.
 - FSDP2: torchtitan's apply_fsdp for the policy, fully_shard for the draft, over dp_shard x cp
   (torchtitan's "fsdp" mesh), or in one process training in bf16 over a mesh of its one rank, so
   that FSDP's MixedPrecisionPolicy casts the parameters there too (`fsdp_wraps`). Gradients are
@@ -177,9 +179,15 @@ def apply_activation_checkpointing(policy: nn.Module, cfg) -> nn.Module:
     return policy
 
 
+def compiles_policy(cfg) -> bool:
+    """Whether torchtitan's [compile] asks for the model compiled (enable, "model" in components)."""
+    return cfg.compile.enable and "model" in cfg.compile.components
+
+
 def parallelize_policy(policy: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
-    """TP (POLICY_TP_PLAN) then torchtitan's FSDP2/HSDP, in place."""
-    from torchtitan.models.llama3.infra.parallelize import apply_fsdp
+    """TP (POLICY_TP_PLAN), torch.compile of each block ([compile]), then torchtitan's FSDP2/HSDP, in
+    place: torchtitan's order (activation checkpointing, applied before, comes under the compile)."""
+    from torchtitan.models.llama3.infra.parallelize import apply_compile, apply_fsdp
 
     if dims.tp_enabled:
         tp_mesh = dims.get_mesh("tp")
@@ -187,6 +195,9 @@ def parallelize_policy(policy: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
         for block in policy.layers.values():
             parallelize_module(block, tp_mesh, POLICY_LAYER_TP_PLAN)
         _replicate_norms(policy, tp_mesh)
+    if compiles_policy(cfg):
+        # fullgraph per block: its attention is one opaque op (ops/branch_attention.py packed_attention).
+        apply_compile(policy, cfg.compile)
     if fsdp_wraps(dims, cfg.training.mixed_precision_param, _compat.device()):
         apply_fsdp(policy, _fsdp_mesh(dims), param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],
                    reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce], pp_enabled=dims.pp_enabled,

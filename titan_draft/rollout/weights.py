@@ -9,6 +9,13 @@ from torch import nn
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
+def unwrapped_name(name: str) -> str:
+    """A parameter's name in the plain module: without the prefixes its wrappers add."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def copy_weights(src: nn.Module, dst: nn.Module, what: str) -> None:
     """dst <- src by parameter name; sharded (DTensor) tensors are gathered (a collective: call on
     every rank of the mesh)."""
@@ -17,8 +24,7 @@ def copy_weights(src: nn.Module, dst: nn.Module, what: str) -> None:
     dst_state = dst.state_dict()
     loaded = set()
     for name, tensor in src.state_dict().items():
-        for prefix in _WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
+        name = unwrapped_name(name)
         if name not in dst_state:
             raise ValueError(f"load_weights: {what} has '{name}', which the engine's {what} lacks; "
                              f"build the engine with the same model args as the trained {what}")
