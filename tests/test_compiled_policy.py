@@ -1,7 +1,7 @@
-"""torchtitan's [compile] on the policy (compile.enable, "model" in compile.components): each block compiled
-whole (fullgraph: a graph break fails) gives the eager policy's RL step, gradients and metrics in float64,
-over micro-batches of changing shapes and under activation checkpointing; the packed attention op the
-compiled blocks call passes torch.library's own checks (schema, fake tensors, autograd)."""
+"""torchtitan's [compile] on the policy: each block compiled whole ("model"; fullgraph, so a graph break
+fails) and the LM head's chunked log-probs ("loss") give the eager policy's RL step, gradients and metrics
+in float64, over micro-batches of changing shapes and under activation checkpointing; the packed attention
+op the compiled blocks call passes torch.library's own checks (schema, fake tensors, autograd)."""
 import os
 import sys
 
@@ -14,7 +14,7 @@ from titan_draft.ops.branch_attention import branch_attention_reference
 sys.path.insert(0, os.path.dirname(__file__))
 from test_microbatch import LEVERS, assert_same, float64, step  # noqa: E402, F401  (float64: an autouse fixture)
 
-COMPILE = ["--compile.enable", "--compile.components", "model"]
+COMPILE = ["--compile.enable"]  # torchtitan's default components: "model" and "loss"
 
 
 def test_packed_attention_op_passes_opcheck_and_equals_the_dense_reference():
@@ -43,6 +43,6 @@ def test_compiled_blocks_leave_the_step_unchanged(model, ac):
     eager = step(*overrides)
     compiled = step(*overrides, *COMPILE)
     policy = compiled[3].policy.parts[0]
-    assert all(isinstance(block, OptimizedModule) for block in policy.layers.values())
+    assert all(isinstance(block, OptimizedModule) for block in policy.layers.values()) and policy.output.compiled
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # they ran compiled
     assert_same(eager, compiled)

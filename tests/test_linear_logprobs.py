@@ -86,6 +86,17 @@ def test_zero_rows(chunk_size):
     assert torch.equal(grad_weight, torch.zeros(VOCAB, HIDDEN, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_compiled_chunk_math_equals_dense(autocast):
+    """[compile] components "loss": each chunk's statistics and logits' gradient through torch.compile, in
+    float64 and with bf16 logits under autocast; chunks of 3 rows leave a shorter last one."""
+    inputs = make_inputs(dtype=torch.float32 if autocast else torch.float64, seed=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        dense = outputs_and_grads(*inputs, teacher_ids=TEACHER_IDS)
+        compiled = outputs_and_grads(*inputs, chunk_size=3, teacher_ids=TEACHER_IDS, compiled=True)
+    assert_same(compiled, dense, tol=2e-2 if autocast else 1e-10)
+
+
 def test_chunked_equals_dense_float32():
     inputs = make_inputs(dtype=torch.float32, seed=2)
     dense = outputs_and_grads(*inputs, teacher_ids=TEACHER_IDS)

@@ -155,16 +155,18 @@ class HeadRequest:
 
 class PolicyHead(nn.Linear):
     """torchtitan's `output` linear; with `request` set, its forward returns the rows' TokenOutputs fields
-    (a tuple, so that FSDP finds the tensors to hook for backward) instead of logits."""
+    (a tuple, so that FSDP finds the tensors to hook for backward) instead of logits. `compiled`: the
+    chunks' statistics through torch.compile (parallelize_policy sets it for [compile] components "loss")."""
 
     request: HeadRequest | None = None
+    compiled: bool = False
 
     def forward(self, h: torch.Tensor):
         r = self.request
         if r is None:
             return super().forward(h)
         out = linear_token_outputs(h.flatten(0, -2)[r.rows], self.weight, r.targets, chunk_size=r.chunk_size,
-                                   teacher_ids=r.teacher_ids, teacher_rows=r.teacher_rows)
+                                   teacher_ids=r.teacher_ids, teacher_rows=r.teacher_rows, compiled=self.compiled)
         return out.logprobs, out.entropy, out.teacher_logits, out.teacher_argmax
 
 

@@ -21,7 +21,9 @@ the argmax over the full vocabulary) are detached: no gradient flows back throug
 linear_token_outputs(chunk_size=0) is the dense reference (full logits, plain autograd), the
 behaviour the callers had before; chunk_size > 0 is the fast path, equal to it in float64.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,14 +49,16 @@ class TokenOutputs:
 
 def linear_token_outputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          chunk_size: int = 0, teacher_ids: torch.Tensor | None = None,
-                         teacher_rows: torch.Tensor | None = None) -> TokenOutputs:
+                         teacher_rows: torch.Tensor | None = None, compiled: bool = False) -> TokenOutputs:
     """Log p(targets), entropy and (with teacher_ids) the teacher of logits = hidden @ weight.T.
 
     hidden [R, H], weight [V, H], targets [R] int64. teacher_ids [K] int64: vocabulary ids whose
     logits make the teacher (None: no teacher outputs); teacher_rows int64 indices into R whose
     teacher is wanted (None: every row). chunk_size 0: dense reference; N > 0: N rows at a time.
     Logits are computed in the inputs' dtype (under autocast: the autocast dtype, both inputs cast
-    to it), statistics in float32 (float64 for float64 inputs).
+    to it), statistics in float32 (float64 for float64 inputs). compiled (chunked path only): each
+    chunk's statistics and its logits' gradient through torch.compile, one fused pass each over the
+    chunk's logits instead of an eager kernel per step ([compile] components "loss").
     """
     hidden, weight = _autocast_inputs(hidden, weight)
     _validate(hidden, weight, targets, chunk_size, teacher_ids, teacher_rows)
@@ -65,7 +69,7 @@ def linear_token_outputs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         if teacher_ids is not None and teacher_rows is None:
             teacher_rows = torch.arange(hidden.shape[0], device=hidden.device)
         return TokenOutputs(*_ChunkedTokenOutputs.apply(hidden, weight, targets, chunk_size, teacher_ids,
-                                                        teacher_rows))
+                                                        teacher_rows, _CHUNK_MATH[compiled]))
 
 
 def _autocast_inputs(hidden, weight):
@@ -119,11 +123,37 @@ def logits_token_outputs(logits: torch.Tensor, targets: torch.Tensor, *, teacher
         return TokenOutputs(logprobs, entropy, teacher[:, teacher_ids], teacher.argmax(-1))
 
 
+def _chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype):
+    """(logsumexp, log p(targets), entropy) of one chunk's logits [N, V], in `dtype`."""
+    scores = logits.to(dtype)
+    lse = torch.logsumexp(scores, dim=-1)
+    logprobs = scores.gather(1, targets[:, None]).squeeze(1) - lse
+    probs = torch.exp(scores - lse[:, None])
+    return lse, logprobs, lse - probs.mul_(scores).sum(-1)
+
+
+def _chunk_grad_logits(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g: torch.Tensor):
+    """d(sum g * log p(targets)) / d logits of one chunk = g * (onehot(target) - softmax), in logits' dtype;
+    built in place in the float32 scores."""
+    grad = logits.to(lse.dtype).sub_(lse[:, None]).exp_().mul_(-g)
+    return grad.scatter_add_(1, targets[:, None], g).to(logits.dtype)
+
+
+class _ChunkMath(NamedTuple):
+    statistics: Callable
+    grad_logits: Callable
+
+
+# By `compiled`: eager, or through torch.compile (dynamic: the last chunk has fewer rows).
+_CHUNK_MATH = {False: _ChunkMath(_chunk_statistics, _chunk_grad_logits),
+               True: _ChunkMath(*(torch.compile(fn, dynamic=True) for fn in (_chunk_statistics, _chunk_grad_logits)))}
+
+
 class _ChunkedTokenOutputs(torch.autograd.Function):
     """linear_token_outputs over chunks of chunk_size rows; see the module docstring for the math."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, teacher_ids, teacher_rows):
+    def forward(ctx, hidden, weight, targets, chunk_size, teacher_ids, teacher_rows, math: _ChunkMath):
         rows = hidden.shape[0]
         dtype = _statistics_dtype(hidden.dtype)
         lse = hidden.new_empty(rows, dtype=dtype)
@@ -141,14 +171,9 @@ class _ChunkedTokenOutputs(torch.autograd.Function):
                 slots, local_rows = teacher_slots[index]
                 teacher_logits[slots] = logits[local_rows[:, None], teacher_ids]
                 teacher_argmax[slots] = logits.argmax(-1)[local_rows]
-            scores = logits.to(dtype)
-            chunk_lse = torch.logsumexp(scores, dim=-1)
-            lse[start:end] = chunk_lse
-            logprobs[start:end] = scores.gather(1, targets[start:end, None]).squeeze(1) - chunk_lse
-            probs = torch.exp(scores - chunk_lse[:, None])
-            entropy[start:end] = chunk_lse - probs.mul_(scores).sum(-1)
+            lse[start:end], logprobs[start:end], entropy[start:end] = math.statistics(logits, targets[start:end], dtype)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.math = chunk_size, math
         ctx.mark_non_differentiable(*(t for t in (entropy, teacher_logits, teacher_argmax) if t is not None))
         ctx.set_materialize_grads(False)  # the detached outputs' gradients stay None
         return logprobs, entropy, teacher_logits, teacher_argmax
@@ -163,18 +188,14 @@ class _ChunkedTokenOutputs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             chunk_hidden, g = hidden[start:end], grad_logprobs[start:end, None].to(lse.dtype)
-            # grad_logits = g * (onehot(target) - softmax), built in place in the float32 scores.
-            scores = (chunk_hidden @ weight.T).to(lse.dtype)
-            grad_logits = scores.sub_(lse[start:end, None]).exp_().mul_(-g)
-            grad_logits.scatter_add_(1, targets[start:end, None], g)
-            grad_logits = grad_logits.to(hidden.dtype)
+            grad_logits = ctx.math.grad_logits(chunk_hidden @ weight.T, lse[start:end], targets[start:end], g)
             if want_hidden:
                 grad_hidden[start:end] = grad_logits @ weight
             if want_weight:
                 grad_weight += grad_logits.T @ chunk_hidden
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _teacher_slots(teacher_rows, rows, chunk_size):

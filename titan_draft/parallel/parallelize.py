@@ -13,8 +13,9 @@
   loss_parallel implements only class-index targets).
 - Context parallel (cp): the RL step shards each packed batch with titan_draft.parallel's
   apply_context_parallel (train.py); warm starts run whole batches on every rank.
-- torch.compile ([compile] enable with "model" in components): torchtitan's apply_compile, each policy
-  block compiled whole after TP and before FSDP; the draft runs eagerly.
+- torch.compile ([compile] enable): "model" in components compiles each policy block whole (torchtitan's
+  apply_compile, after TP and before FSDP); "loss" the LM head's chunked log-probs, entropy and teacher
+  (PolicyHead.compiled). The draft runs eagerly.
 - FSDP2: torchtitan's apply_fsdp for the policy, fully_shard for the draft, over dp_shard x cp
   (torchtitan's "fsdp" mesh), or in one process training in bf16 over a mesh of its one rank, so
   that FSDP's MixedPrecisionPolicy casts the parameters there too (`fsdp_wraps`). Gradients are
@@ -35,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from titan_draft.infra import _compat
+from titan_draft.models.policy import PolicyHead
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.utils import maybe_enable_amp
@@ -198,6 +200,9 @@ def parallelize_policy(policy: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
     if compiles_policy(cfg):
         # fullgraph per block: its attention is one opaque op (ops/branch_attention.py packed_attention).
         apply_compile(policy, cfg.compile)
+    if cfg.compile.enable and "loss" in cfg.compile.components and isinstance(getattr(policy, "output", None),
+                                                                               PolicyHead):
+        policy.output.compiled = True  # the LM head's chunked log-probs (ops/linear_logprobs.py)
     if fsdp_wraps(dims, cfg.training.mixed_precision_param, _compat.device()):
         apply_fsdp(policy, _fsdp_mesh(dims), param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],
                    reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce], pp_enabled=dims.pp_enabled,
