@@ -123,6 +123,16 @@ def gather_peaks(peak: int | None, device: torch.device, group=None) -> list[int
     return peaks.tolist()
 
 
+def out_of_memory(err: BaseException | None) -> bool:
+    """Whether err, or an exception it was raised from or while handling, is torch's out-of-memory error
+    (one raised inside a CUDA graph capture surfaces as the capture's own error)."""
+    while err is not None:
+        if isinstance(err, torch.OutOfMemoryError):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
 def gib(nbytes) -> str:
     return "n/a" if nbytes is None else f"{nbytes / 2 ** 30:.2f}"
 

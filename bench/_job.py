@@ -1,13 +1,17 @@
-"""The job side of the RL drivers (rl_step, rollout_speedup, memory_table): a job config from a TOML of
-train_configs/ plus overrides, and a job built (and warm-started) by the library's own functions
-(titan_draft.job.build_job + warm_start), exactly as train.py starts one."""
+"""The job side of the RL drivers (rl_step, rollout_speedup, memory_table, train_phase): a job config from a
+TOML of train_configs/ plus overrides, and a job built (and warm-started) by the library's own functions
+(titan_draft.job.build_job + warm_start), exactly as train.py starts one; rollouts of random tokens; the
+policy's training FLOPs."""
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torchtitan.tools.utils import get_peak_flops
 
 from bench._common import REPO_ROOT, timed
 from titan_draft.config import parse_config, validate
+from titan_draft.data.tasks import Prompts
 from titan_draft.infra import _compat
 from titan_draft.infra.io import atomic_directory
 from titan_draft.infra.metrics import MetricsLogger
@@ -15,6 +19,38 @@ from titan_draft.job import Job, build_job, warm_start
 from titan_draft.models.cotrain import DraftOptimizer
 from titan_draft.parallel.parallelize import fsdp_wraps, init_process_group
 from titan_draft.plan import build_parallel_dims, build_plan
+from titan_draft.train import Rollouts
+
+
+def random_rollouts(prompts: Prompts, response_lengths: torch.Tensor, vocab_size: int,
+                    generator: torch.Generator) -> Rollouts:
+    """Rollouts of `prompts` whose answers are random tokens of the given lengths: what a step's time and
+    memory depend on (shapes), without decoding."""
+    lengths = prompts.lengths()
+    tokens = torch.randint(vocab_size, (len(prompts), int((lengths + response_lengths).max())), generator=generator)
+    for row, ids in zip(tokens, prompts.ids):
+        row[:len(ids)] = ids
+    return Rollouts(prompts, tokens, lengths, response_lengths, metrics={}, counts=torch.zeros(0))
+
+
+@dataclass(frozen=True)
+class PolicyFlops:
+    """Model FLOPs of the policy's training on a step's rollouts (see the module docstring)."""
+    block_params: int
+    head_params: int
+    peak_flops: float | None
+    """The device's bf16 dense peak FLOP/s; None off CUDA."""
+
+    @classmethod
+    def of(cls, policy: torch.nn.Module, device: torch.device) -> "PolicyFlops":
+        blocks = sum(p.numel() for name, p in policy.named_parameters() if name.startswith("layers."))
+        peak = get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        return cls(blocks, policy.output.weight.numel(), peak)
+
+    def per_second(self, record: dict) -> float:
+        """Model FLOP/s of one step's policy training (its train time less the draft's)."""
+        flops = 6 * (self.block_params * record["packed_tokens"] + self.head_params * record["generated_tokens"])
+        return flops / (record["train_s"] - record["draft_s"])
 
 
 def add_job_arguments(parser, presets: dict, default: str) -> None:

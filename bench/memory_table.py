@@ -56,8 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bench._common import REPO_ROOT, environment, write_json
-from bench._job import add_job_arguments, job_config, new_job, resolve_preset
+from bench._common import REPO_ROOT, environment, out_of_memory, write_json
+from bench._job import add_job_arguments, job_config, new_job, random_rollouts, resolve_preset
 from titan_draft.data.tasks import Prompts
 from titan_draft.data.tasks.base import response_budget
 from titan_draft.infra.timing import PhasePeak
@@ -113,15 +113,6 @@ def most_prompts(fits, start: int, cap: int, resolution: int = 1) -> int:
     return fit
 
 
-def full_length_rollouts(prompts: Prompts, budget: int, vocab_size: int, generator: torch.Generator) -> Rollouts:
-    """Rollouts of `prompts` at their largest: every answer `budget` random tokens long."""
-    lengths = prompts.lengths()
-    tokens = torch.randint(vocab_size, (len(prompts), int(lengths.max()) + budget), generator=generator)
-    for row, ids in zip(tokens, prompts.ids):
-        row[:len(ids)] = ids
-    return Rollouts(prompts, tokens, lengths, torch.full_like(lengths, budget), metrics={}, counts=torch.zeros(0))
-
-
 def rollout_phase(s: RLState, prompts: Prompts, budget: int) -> None:
     """The rollout phase of `prompts` at its largest, without decoding every token (see the module
     docstring): weights, buffers, every decode step at full length, prefill, then collect_rollouts' rule
@@ -136,16 +127,6 @@ def rollout_phase(s: RLState, prompts: Prompts, budget: int) -> None:
                     top_p=ro.top_p, eos_id=s.job.task.tokenizer.eos_id, generator=s.job.generators["rollout"])
     if ro.release_caches:
         engine.release_caches()
-
-
-def out_of_memory(err: BaseException | None) -> bool:
-    """Whether err, or an exception it was raised from or while handling, is torch's out-of-memory error
-    (one raised inside a CUDA graph capture surfaces as the capture's own error)."""
-    while err is not None:
-        if isinstance(err, torch.OutOfMemoryError):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
 
 
 @dataclass(frozen=True)
@@ -173,7 +154,8 @@ class Prober:
     def rollouts(self, prompts: int) -> Rollouts:
         job = self.state.job
         batch = job.task.sample_prompts(prompts, job.generators["data"]).repeat_interleave(self.state.cfg.rl.group_size)
-        return full_length_rollouts(batch, self.budget, job.task.tokenizer.vocab_size, job.generators["data"])
+        return random_rollouts(batch, torch.full((len(batch),), self.budget), job.task.tokenizer.vocab_size,
+                               job.generators["data"])
 
     def probe(self, prompts: int) -> dict:
         """Both phases of `prompts` prompts (after the job's first step, on one group, if it has not made it):

@@ -36,13 +36,11 @@ import gc
 import os
 import statistics
 import tempfile
-from dataclasses import dataclass
 
 import torch
-from torchtitan.tools.utils import get_peak_flops
 
 from bench._common import REPO_ROOT, alternate, environment, write_json
-from bench._job import add_job_arguments, job_config, resolve_preset, warm_started_job
+from bench._job import PolicyFlops, add_job_arguments, job_config, resolve_preset, warm_started_job
 from titan_draft.plan import build_plan
 from titan_draft.train import RLState, rollouts_and_update, spec_metrics
 
@@ -149,26 +147,6 @@ def step_of(state: RLState):
         return record
 
     return step
-
-
-@dataclass(frozen=True)
-class PolicyFlops:
-    """Model FLOPs of the policy's training on a step's rollouts (see the module docstring)."""
-    block_params: int
-    head_params: int
-    peak_flops: float | None
-    """The device's bf16 dense peak FLOP/s; None off CUDA."""
-
-    @classmethod
-    def of(cls, policy: torch.nn.Module, device: torch.device) -> "PolicyFlops":
-        blocks = sum(p.numel() for name, p in policy.named_parameters() if name.startswith("layers."))
-        peak = get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-        return cls(blocks, policy.output.weight.numel(), peak)
-
-    def per_second(self, record: dict) -> float:
-        """Model FLOP/s of one step's policy training (its train time less the draft's)."""
-        flops = 6 * (self.block_params * record["packed_tokens"] + self.head_params * record["generated_tokens"])
-        return flops / (record["train_s"] - record["draft_s"])
 
 
 def summarise(steps: list[dict], flops: PolicyFlops) -> dict:

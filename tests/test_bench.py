@@ -6,7 +6,8 @@ write the JSON their README tables are made from:
 (c) bench.branch_attention on CPU: the row fields of bench/results/branch_attention_h200.json;
 (d) bench.linear_logprobs --device cpu --tiny: dense, chunked and (CUDA only) liger side by side;
 (e) bench.decode_step --preset smoke: plain, verify and whole decode-step costs per batch size;
-(f) bench.memory_table: its search on a fake fits rule, and the tiny preset's probes end to end.
+(f) bench.memory_table: its search on a fake fits rule, and the tiny preset's probes end to end;
+(g) bench.train_phase --preset tiny: the RL update alone, eager and compiled, on the same rollouts.
 """
 import json
 import os
@@ -184,7 +185,7 @@ def test_memory_table_search_doubles_then_bisects():
 
 
 def test_memory_table_knows_out_of_memory_raised_inside_another_error():
-    from bench.memory_table import out_of_memory
+    from bench._common import out_of_memory
 
     try:
         try:
@@ -245,3 +246,21 @@ def test_skinny_linear_bench_times_the_engines_fused_projections():
     # Qwen3-1.7B: 16 query + 2 x 8 kv heads of 128, dim 2,048, MLP 6,144 (gate and up stacked)
     assert projection_shapes("qwen3", "1.7B") == {"qkv": (4096, 2048), "wo": (2048, 2048), "gate_up": (12288, 2048),
                                                   "down": (2048, 6144)}
+
+
+def test_train_phase_bench_times_eager_and_compiled_updates_of_the_same_rollouts(tmp_path):
+    out = tmp_path / "train_phase.json"
+    run_bench("bench.train_phase", "--preset", "tiny", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["rollouts"] == 16 and report["packed_tokens"] > 16  # 4 prompts x 4, with their answers
+    assert list(report["table"]) == list(report["records"]) == ["eager_full", "compiled_full"]
+    assert report["settings"]["compiled_full"] == ["--compile.enable", "--activation_checkpoint.mode", "full"]
+    for name, row in report["table"].items():
+        steps = report["records"][name]
+        assert len(steps) == 2 and row["steps"] == 1 and row["oom"] is None  # one skipped, one timed
+        assert row["step_s"] == steps[1]["step_s"] > row["draft_s"] > 0 and row["peak_gib"] is None  # CPU
+        assert row["policy_train_tflops_per_s"] > 0 and row["policy_train_mfu"] is None
+        assert {s["packed_tokens"] for s in steps} == {report["packed_tokens"]}
+    assert report["table"]["eager_full"]["vs_best_eager"] == 1.0
+    compiled = report["table"]["compiled_full"]
+    assert compiled["vs_best_eager"] == report["table"]["eager_full"]["step_s"] / compiled["step_s"]
