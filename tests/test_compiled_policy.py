@@ -1,7 +1,8 @@
 """torchtitan's [compile] on the policy: each block compiled whole ("model"; fullgraph, so a graph break
 fails) and the LM head's chunked log-probs ("loss") give the eager policy's RL step, gradients and metrics
 in float64, over micro-batches of changing shapes and under activation checkpointing; the packed attention
-op the compiled blocks call passes torch.library's own checks (schema, fake tensors, autograd)."""
+op the compiled blocks call passes torch.library's own checks (schema, fake tensors, autograd), and selective
+op-level activation checkpointing keeps its output instead of running it again."""
 import os
 import sys
 
@@ -46,3 +47,36 @@ def test_compiled_blocks_leave_the_step_unchanged(model, ac):
     assert all(isinstance(block, OptimizedModule) for block in policy.layers.values()) and policy.output.compiled
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # they ran compiled
     assert_same(eager, compiled)
+
+
+AC = "--activation_checkpoint.mode"
+AC_MODES = {"none": [AC, "none"], "full": [AC, "full"],
+            **{option: [AC, "selective", "--activation_checkpoint.selective_ac_option", option] for option in ("op", "2")}}
+
+
+@pytest.mark.parametrize("ac, calls", [("none", 4), ("op", 4), ("2", 6), ("full", 8)])
+def test_selective_checkpointing_keeps_the_attention_output(ac, calls):
+    """Forward + backward of 4 layers: selective op-level checkpointing ("op") saves the packed attention op's
+    output, as torchtitan saves its own attention ops' (one call per layer); selective layer checkpointing
+    ("2": every second layer) and full checkpointing run it again in the layers they checkpoint."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from titan_draft.config import parse_config
+    from titan_draft.data.packing import pack_documents
+    from titan_draft.models.policy import build_policy, forward_packed
+    from titan_draft.parallel.parallelize import apply_activation_checkpointing
+
+    class CountAttention(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountAttention.calls += func is torch.ops.titan_draft.packed_attention.default
+            return func(*args, **(kwargs or {}))
+
+    cfg = parse_config(["--job.config_file", os.path.join(os.path.dirname(__file__), "..", "train_configs",
+                                                          "sort_tiny_cpu.toml"), *AC_MODES[ac]])
+    policy = apply_activation_checkpointing(build_policy("llama3", "tiny", 32, seed=0, device="cpu"), cfg)
+    batch = pack_documents([torch.randint(0, 32, (n,)) for n in (9, 5)], torch.tensor([2, 3]))
+    with CountAttention():
+        forward_packed(policy, batch).sum().backward()
+    assert len(policy.layers) == 4 and CountAttention.calls == calls

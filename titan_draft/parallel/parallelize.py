@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+import titan_draft.ops.branch_attention  # noqa: F401  (registers titan_draft::packed_attention, kept by selective AC)
 from titan_draft.infra import _compat
 from titan_draft.models.policy import PolicyHead
 from torchtitan.config import TORCH_DTYPE_MAP
@@ -171,13 +172,14 @@ def _average_over_dp(model: nn.Module, dims: ParallelDims) -> None:
 def apply_activation_checkpointing(policy: nn.Module, cfg) -> nn.Module:
     """torchtitan's [activation_checkpoint] mode (none | selective | full) on the policy's layers, in
     place, as torchtitan's llama3 / qwen3 parallelize applies it: before FSDP, with its list of ops
-    that selective op-level checkpointing keeps."""
+    that selective op-level checkpointing keeps, and the policy's attention op among them (as torchtitan
+    keeps its own varlen attention op's output)."""
     from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
     if cfg.activation_checkpoint.mode != "none":
-        apply_ac(policy, cfg.activation_checkpoint, op_sac_save_list=_op_sac_save_list,
-                 base_folder=cfg.job.dump_folder)
+        apply_ac(policy, cfg.activation_checkpoint, base_folder=cfg.job.dump_folder,
+                 op_sac_save_list=_op_sac_save_list | {torch.ops.titan_draft.packed_attention.default})
     return policy
 
 
