@@ -770,3 +770,22 @@ def test_compiled_step_functions_keep_a_graph_per_shape_past_the_default_limit()
         assert torch.equal(step(x), x * 2 + 1)
     assert counters["stats"]["unique_graphs"] == 10
     assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT > 10
+
+
+def test_capture_seconds_count_the_calls_that_captured_a_graph():
+    """rollout_capture_s (RolloutResult.timing["capture_s"]): 0 without CUDA graphs; on CUDA above 0 in the
+    first calls, which capture their shapes, 0 once every shape replays, and above 0 again after
+    release_caches, which drops the graphs."""
+    policy, draft, engine = make()
+
+    def capture_s():
+        return engine.generate(variable_prompts([5, 3, 7], seed=8), 12, num_speculative_tokens=3, temperature=0.0,
+                               eos_id=5).timing["capture_s"]
+
+    seconds = [capture_s() for _ in range(4)]
+    engine.release_caches()
+    seconds.append(capture_s())
+    if engine.cuda_graphs:
+        assert sum(seconds[:3]) > 0 and seconds[3] == 0 and seconds[4] > 0, seconds
+    else:
+        assert seconds == [0.0] * 5

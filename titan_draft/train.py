@@ -119,13 +119,14 @@ def collect_rollouts(s: RLState) -> Rollouts:
         "rollout_tokens_per_s": result.tokens_per_s,
         "rollout_time_s": time.perf_counter() - t0,
         # Where the rollout time went: the weight refresh, adaptive K's step measurement (the first
-        # call only), the prompts, the decode loop (the last three timed between device syncs), and
-        # how many engine calls ran without a CUDA graph replay.
+        # call only), the prompts, the decode loop (the last three timed between device syncs), how
+        # many engine calls ran without a CUDA graph replay, and the seconds of those that captured one.
         "rollout_weights_s": weights_s,
         "rollout_measure_s": result.timing["measure_s"],
         "rollout_prefill_s": result.timing["prefill_s"],
         "rollout_decode_s": result.timing["decode_s"],
         "rollout_unreplayed_calls": float(result.unreplayed_calls),
+        "rollout_capture_s": result.timing["capture_s"],
         # The response-length distribution (means over data-parallel ranks of each rank's numbers).
         "response_len_mean": lengths.float().mean().item(),
         "response_len_p90": lengths.float().quantile(0.9).item(),

@@ -128,7 +128,8 @@ class RolloutResult:
     0 without CUDA graphs."""
     timing: dict = field(default_factory=dict)
     """Seconds in measure_s (adaptive K's first call at a batch size: every step shape captured and
-    timed), prefill_s (prompt forward, first token, draft trunk) and decode_s (the steps)."""
+    timed), prefill_s (prompt forward, first token, draft trunk) and decode_s (the steps); capture_s:
+    the part of the last two in calls that captured a CUDA graph (StepGraphs.capture_s)."""
     tokens_per_s: float = 0.0
     """Generated tokens (all rows) per second of wall time of generate()."""
 
@@ -600,7 +601,7 @@ class RolloutEngine:
             draft_prefill_s = self.draft_prefill_s_per_token * B * P
             if not self.controller.would_draft(self._buckets(B), K, overhead_s=draft_prefill_s):
                 drafts = 0
-        self.graphs.unreplayed = 0
+        self.graphs.unreplayed, self.graphs.capture_s = 0, 0.0
         self._rng.manual_seed(int(torch.randint(2**62, (), generator=generator, device=seed_device)))
 
         timing["prefill_s"], _ = timed(lambda: self._start(padded, prompt_lengths, max_new_tokens, eos_id, drafts > 0,
@@ -609,6 +610,7 @@ class RolloutEngine:
             lambda: self._decode(B, K, drafts, adaptive and drafts > 0, temperature, top_p, total), self.device)
         if adaptive:
             self.controller.observe_call(plain_steps)
+        timing["capture_s"] = self.graphs.capture_s
 
         verify_rows, emitted = status.verify_rows, status.emitted
         accepted = torch.tensor(status.accepted_per_position[:K], dtype=torch.long)

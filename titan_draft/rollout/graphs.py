@@ -6,6 +6,7 @@ engine buffers, with no host synchronisation inside, so it can be captured once 
 eagerly before; elsewhere than CUDA every call runs eagerly. Both run the same code.
 """
 import gc
+import time
 
 import torch
 
@@ -65,6 +66,9 @@ class StepGraphs:
         self.steps: dict[object, CapturedCall] = {}
         self.uses: dict[object, int] = {}
         self.unreplayed = 0  # run() calls (since the caller last zeroed it) that were not graph replays
+        # Host seconds of the run() calls (since the caller last zeroed it) that captured a graph, each with
+        # its eager run (which the capture waits for): what release_caches costs the next call.
+        self.capture_s = 0.0
         self.pool = None
 
     def captured(self, fn):
@@ -86,8 +90,10 @@ class StepGraphs:
             self.unreplayed += self.enabled
             return self.enabled
         if key not in self.steps:
+            start = time.perf_counter()
             self.steps[key] = self.captured(fn)
             self.steps[key]()
+            self.capture_s += time.perf_counter() - start
             self.unreplayed += 1
             return True
         self.steps[key]()
