@@ -1,6 +1,8 @@
 """The rollout engine against obviously-correct references: torchtitan's own packed forward (no
 cache), the training-time draft (ttt_forward + branch_attention), plain greedy decoding, and the
 policy's exact distribution of the first response tokens; and its goodput controller."""
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -789,3 +791,32 @@ def test_capture_seconds_count_the_calls_that_captured_a_graph():
         assert sum(seconds[:3]) > 0 and seconds[3] == 0 and seconds[4] > 0, seconds
     else:
         assert seconds == [0.0] * 5
+
+
+def test_graphs_capture_again_at_first_use_only_the_keys_used_often_before_a_clear():
+    """StepGraphs' rule, with captures recorded instead of made (CPU): a key is captured at its
+    CAPTURE_AFTER-th use; after clear() (release_caches) at its first use if the buffers before used it
+    that often, else again at its CAPTURE_AFTER-th; capture_at_next_use captures at the next use."""
+    from titan_draft.rollout.graphs import CAPTURE_AFTER, StepGraphs
+
+    assert CAPTURE_AFTER == 3
+    graphs, captures, calls = StepGraphs(enabled=True, generator=torch.Generator()), [], []
+    graphs.captured = lambda fn: captures.append(fn.args[0]) or fn  # record the capture; the "graph" runs fn
+
+    def use(name, times):
+        for _ in range(times):
+            graphs.run(name, partial(calls.append, name))
+
+    use("often", 5)
+    use("twice", 2)
+    assert captures == ["often"] and len(calls) == 7  # captured at its third use; the call ran every time
+    graphs.clear()
+    captures.clear()
+    use("often", 1)
+    use("twice", 2)
+    assert captures == ["often"]  # "twice" ran eagerly again
+    use("twice", 1)
+    assert captures == ["often", "twice"]  # its third use since the clear
+    graphs.capture_at_next_use("new")
+    use("new", 1)
+    assert captures[-1] == "new" and graphs.uses == {"often": 6, "twice": 5, "new": 1}

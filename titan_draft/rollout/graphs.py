@@ -3,7 +3,10 @@
 A call is a function of no arguments and no outputs that works on static-shape tensors living in
 engine buffers, with no host synchronisation inside, so it can be captured once and replayed.
 `StepGraphs.run` replays a key's graph once the key has been used CAPTURE_AFTER times and runs it
-eagerly before; elsewhere than CUDA every call runs eagerly. Both run the same code.
+eagerly before; elsewhere than CUDA every call runs eagerly. Both run the same code. After the graphs
+are dropped (the engine's buffers given back or grown), a key the previous buffers used that often is
+captured again at its first use; one they used less runs eagerly again (a capture costs more than
+an eager run, which costs more than a replay).
 """
 import gc
 import time
@@ -57,14 +60,18 @@ class StepGraphs:
 
     enabled: capture at all (CUDA with cuda_graphs). generator: the engine's generator, whose
     state every graph registers. The graphs share one private memory pool, taken at the first
-    capture. `uses` outlives `clear()`: a key used CAPTURE_AFTER times is captured again at its
-    next use, not run eagerly first.
+    capture. A key is captured at its CAPTURE_AFTER-th use since the last `clear()`, or at its first
+    use when it had reached that count between the two clears before (a shape the rollouts use many
+    times is captured again at once after release_caches; one they use once or twice is not).
+    `uses` counts every use, across clears.
     """
 
     def __init__(self, enabled: bool, generator: torch.Generator):
         self.enabled, self.generator = enabled, generator
         self.steps: dict[object, CapturedCall] = {}
         self.uses: dict[object, int] = {}
+        self._uses_now: dict[object, int] = {}  # since the last clear()
+        self._uses_before: dict[object, int] = {}  # between the two clears before
         self.unreplayed = 0  # run() calls (since the caller last zeroed it) that were not graph replays
         # Host seconds of the run() calls (since the caller last zeroed it) that captured a graph, each with
         # its eager run (which the capture waits for): what release_caches costs the next call.
@@ -83,9 +90,9 @@ class StepGraphs:
         """fn(), replayed from its CUDA graph once its key has been used CAPTURE_AFTER times (eagerly
         before: the many (bucket, K) keys a long tail or adaptive K visits only a few times never
         pay a capture); True when the call was not a replay (not a representative time)."""
-        uses = self.uses.get(key, 0) + 1
-        self.uses[key] = uses
-        if not self.enabled or uses < CAPTURE_AFTER:
+        self.uses[key] = self.uses.get(key, 0) + 1
+        uses = self._uses_now[key] = self._uses_now.get(key, 0) + 1
+        if not self.enabled or max(uses, self._uses_before.get(key, 0)) < CAPTURE_AFTER:
             fn()
             self.unreplayed += self.enabled
             return self.enabled
@@ -100,11 +107,12 @@ class StepGraphs:
         return False
 
     def capture_at_next_use(self, key) -> None:
-        """Make key's next run capture it (unless the key has been used before)."""
-        self.uses.setdefault(key, CAPTURE_AFTER - 1)
+        """Make key's next run capture it (unless the key has been used since the last clear)."""
+        self._uses_now.setdefault(key, CAPTURE_AFTER - 1)
 
     def clear(self) -> None:
         """Drop the graphs, and with the last of them the pool's claim on its memory. A pool whose
         graphs are gone cannot take new captures: the next capture takes a new one."""
         self.steps.clear()
         self.pool = None
+        self._uses_before, self._uses_now = self._uses_now, {}
