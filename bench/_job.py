@@ -61,6 +61,23 @@ def add_job_arguments(parser, presets: dict, default: str) -> None:
     parser.add_argument("overrides", nargs="*", help="job config overrides after --, e.g. -- --rl.sft_steps 100")
 
 
+def add_step_arguments(parser, per: str) -> None:
+    """--steps and --skip (timed and untimed steps per `per`, default: the preset's) and --out."""
+    parser.add_argument("--steps", type=int, help=f"timed steps per {per} (after --skip)")
+    parser.add_argument("--skip", type=int, help=f"first steps per {per} left out of the time statistics")
+    parser.add_argument("--out", help="JSON output path (default bench/results/<bench>_<preset>.json)")
+
+
+def resolve_steps(args, parser, preset: dict, bench: str) -> None:
+    """args.steps and args.skip from the preset where not given, args.out's default; bad counts end in
+    one error line."""
+    args.steps = preset["steps"] if args.steps is None else args.steps
+    args.skip = preset["skip"] if args.skip is None else args.skip
+    args.out = args.out or os.path.join(REPO_ROOT, "bench", "results", f"{bench}_{args.preset}.json")
+    if args.steps < 1 or args.skip < 0:
+        parser.error("--steps must be >= 1 and --skip >= 0")
+
+
 def resolve_preset(args, presets: dict) -> dict:
     """The chosen preset; fills args.config (default: the preset's TOML) and args.overrides (the
     preset's, then the command line's: the last one of a key wins)."""

@@ -39,8 +39,9 @@ import tempfile
 
 import torch
 
-from bench._common import REPO_ROOT, alternate, environment, write_json
-from bench._job import PolicyFlops, add_job_arguments, job_config, resolve_preset, warm_started_job
+from bench._common import alternate, environment, write_json
+from bench._job import (PolicyFlops, add_job_arguments, add_step_arguments, job_config, resolve_preset, resolve_steps,
+                        warm_started_job)
 from titan_draft.plan import build_plan
 from titan_draft.train import RLState, rollouts_and_update, spec_metrics
 
@@ -63,9 +64,7 @@ MODES = ("none", "frozen", "cotrain")
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_arguments(p, PRESETS, default="gpu" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--steps", type=int, help="timed RL steps per mode (after --skip)")
-    p.add_argument("--skip", type=int, help="first RL steps per mode left out of the time statistics")
-    p.add_argument("--out", help="JSON output path (default bench/results/rl_step_<preset>.json)")
+    add_step_arguments(p, "mode")
     p.add_argument("--profile", action="store_true", help="per-op tables of one more step per mode")
     p.add_argument("--one-state", action=argparse.BooleanOptionalAction, default=None,
                    help="hold one mode's training state on the device at a time (default: the preset's; "
@@ -77,11 +76,7 @@ def parse_args():
     args = p.parse_args()
     preset = resolve_preset(args, PRESETS)
     args.one_state = preset.get("one_state", False) if args.one_state is None else args.one_state
-    args.steps = preset["steps"] if args.steps is None else args.steps
-    args.skip = preset["skip"] if args.skip is None else args.skip
-    args.out = args.out or os.path.join(REPO_ROOT, "bench", "results", f"rl_step_{args.preset}.json")
-    if args.steps < 1 or args.skip < 0:
-        p.error("--steps must be >= 1 and --skip >= 0")
+    resolve_steps(args, p, preset, "rl_step")
     return args
 
 

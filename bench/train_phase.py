@@ -25,13 +25,13 @@ Prints a table and writes bench/results/train_phase_<preset>.json (--out) after 
 """
 import argparse
 import gc
-import os
 import statistics
 
 import torch
 
-from bench._common import REPO_ROOT, environment, out_of_memory, timed, write_json
-from bench._job import PolicyFlops, add_job_arguments, job_config, new_job, random_rollouts, resolve_preset
+from bench._common import environment, out_of_memory, timed, write_json
+from bench._job import (PolicyFlops, add_job_arguments, add_step_arguments, job_config, new_job, random_rollouts,
+                        resolve_preset, resolve_steps)
 from titan_draft.data.tasks import build_task
 from titan_draft.data.tasks.base import response_budget
 from titan_draft.infra.timing import PhasePeak
@@ -58,17 +58,11 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_arguments(p, PRESETS, default="tiny")
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), help="default: the preset's, else all")
-    p.add_argument("--steps", type=int, help="timed steps per setting (after --skip)")
-    p.add_argument("--skip", type=int, help="first steps per setting left out of the statistics")
-    p.add_argument("--out", help="JSON output path (default bench/results/train_phase_<preset>.json)")
+    add_step_arguments(p, "setting")
     args = p.parse_args()
     preset = resolve_preset(args, PRESETS)
     args.settings = args.settings or preset.get("settings", list(SETTINGS))
-    args.steps = preset["steps"] if args.steps is None else args.steps
-    args.skip = preset["skip"] if args.skip is None else args.skip
-    args.out = args.out or os.path.join(REPO_ROOT, "bench", "results", f"train_phase_{args.preset}.json")
-    if args.steps < 1 or args.skip < 0:
-        p.error("--steps must be >= 1 and --skip >= 0")
+    resolve_steps(args, p, preset, "train_phase")
     return args
 
 
