@@ -44,7 +44,7 @@ TINY_OVERRIDES = ["--model.flavor", "tiny_gqa", "--training.seq_len", "16", "--t
                   "--rl.logprob_chunk_size", "8", "--rl.max_tokens_per_microbatch", "32"]
 PRESETS = {
     "tiny": dict(config="train_configs/sort_tiny_cpu.toml", overrides=TINY_OVERRIDES, steps=1, skip=1,
-                 settings=["eager_full", "compiled_full"]),
+                 settings=["eager_none", "eager_full"]),
     "gpu_tail": dict(config="train_configs/arith_gpu_tail.toml", steps=3, skip=1),
     "qwen3_1.7b_tail": dict(config="train_configs/qwen3_1.7b_arith_tail.toml", steps=3, skip=1),
     "qwen3_4b_tail": dict(config="train_configs/qwen3_4b_arith_tail.toml", steps=3, skip=1),

@@ -1,6 +1,7 @@
 """torchtitan's [compile] on the policy: each block compiled whole ("model"; fullgraph, so a graph break
 fails) and the LM head's chunked log-probs ("loss") give the eager policy's RL step, gradients and metrics
-in float64, over micro-batches of changing shapes and under activation checkpointing; the packed attention
+in float64, over micro-batches of changing shapes and under activation checkpointing (full for qwen3, selective
+for llama3; without it in tests/test_parallel_compose.py's pipeline layout); the packed attention
 op the compiled blocks call passes torch.library's own checks (schema, fake tensors, autograd), and selective
 op-level activation checkpointing keeps its output instead of running it again."""
 import os
@@ -35,7 +36,7 @@ def test_packed_attention_op_passes_opcheck_and_equals_the_dense_reference():
         torch.testing.assert_close(g, w)
 
 
-@pytest.mark.parametrize("model, ac", [("llama3", "none"), ("qwen3", "full"), ("llama3", "selective")])
+@pytest.mark.parametrize("model, ac", [("qwen3", "full"), ("llama3", "selective")])
 def test_compiled_blocks_leave_the_step_unchanged(model, ac):
     """The cotrain step (policy, reference and draft) in micro-batches: eager against compiled blocks."""
     torch._dynamo.reset()

@@ -17,6 +17,7 @@ from distributed import run_distributed  # noqa: E402
 
 from titan_draft.config import parse_config  # noqa: E402
 from titan_draft.parallel.pipeline import last_stage_pp_rank  # noqa: E402
+from titan_draft.rollout.weights import unwrapped_name  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "train_configs", "sort_tiny_cpu.toml")
 TINY = ["--job.config_file", CONFIG, "--model.flavor", "tiny_gqa", "--training.seq_len", "32",
@@ -83,7 +84,7 @@ def cotrain_step(argv, dims_from_world: bool, poison: str = "", return_state: bo
             for module in modules:
                 for name, p in module.named_parameters():
                     g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                    grads[prefix + name] = g.detach().clone()
+                    grads[prefix + unwrapped_name(name)] = g.detach().clone()  # compiled blocks: _orig_mod
         return hook
 
     state.policy.optimizer.register_step_pre_hook(capture("policy.", *state.policy.parts))
@@ -174,6 +175,9 @@ PIPELINE_LAYOUTS = {  # 4 ranks each; one row per microbatch; 1F1B unless named
     # two stages per rank, loop-placed
     "interleaved_pp_x_fsdp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
                                "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+    # the stages' blocks and LM head compiled ([compile]) against the eager single process
+    "pp_x_fsdp2_compiled": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+                            "2", "--compile.enable"],
 }
 
 
