@@ -1,4 +1,5 @@
-"""Helpers shared by the bench/ drivers: length mixes, the one timing loop, peak memory, JSON, model sizes.
+"""Helpers shared by the bench/ drivers: length mixes, the one timing loop, peak memory, out-of-memory errors,
+per-op profiles, JSON, model sizes.
 
 Every driver runs as `python -m bench.<name>` from the repository root, on CPU (gloo) and, unchanged,
 under torchrun on GPUs (NCCL, one GPU per rank from LOCAL_RANK, via titan_draft.infra._compat.device()).
@@ -131,6 +132,25 @@ def out_of_memory(err: BaseException | None) -> bool:
             return True
         err = err.__cause__ or err.__context__
     return False
+
+
+def profile_steps(steps: dict, device: torch.device, path: str, append: bool = False) -> None:
+    """torch.profiler's per-op tables of one call of each step: by device time, then by host time
+    (written to path, or appended to it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with open(path, "a" if append else "w") as f:
+        for name, step in steps.items():
+            with profile(activities=activities) as prof:
+                step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            table = prof.key_averages()
+            for sort in (["cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
+                f.write(f"## {name}: sorted by {sort}\n")
+                f.write(table.table(sort_by=sort, row_limit=30, max_name_column_width=60) + "\n")
+    print(f"wrote {path}")
 
 
 def gib(nbytes) -> str:

@@ -39,7 +39,7 @@ import tempfile
 
 import torch
 
-from bench._common import alternate, environment, write_json
+from bench._common import alternate, environment, profile_steps, write_json
 from bench._job import (PolicyFlops, add_job_arguments, add_step_arguments, job_config, resolve_preset, resolve_steps,
                         warm_started_job)
 from titan_draft.plan import build_plan
@@ -189,25 +189,6 @@ def print_tables(a, cfg, table: dict, records: dict, speedups: dict) -> None:
     for i in range(a.skip + a.steps):
         print(f"{i + 1:>4}{'*' if i < a.skip else ' '} " + " ".join(f"{records[m][i]['reward_mean']:>8.3f}"
                                                                    for m in records))
-
-
-def profile_steps(steps: dict, device: torch.device, path: str, append: bool = False) -> None:
-    """torch.profiler's per-op tables of one call of each step: by device time, then by host time
-    (written to path, or appended to it)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with open(path, "a" if append else "w") as f:
-        for name, step in steps.items():
-            with profile(activities=activities) as prof:
-                step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-            table = prof.key_averages()
-            for sort in (["cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
-                f.write(f"## {name}: sorted by {sort}\n")
-                f.write(table.table(sort_by=sort, row_limit=30, max_name_column_width=60) + "\n")
-    print(f"wrote {path}")
 
 
 def main():

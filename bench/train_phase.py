@@ -16,7 +16,8 @@ Per setting: the median step's seconds (train_step end to end), the draft's part
 policy's training in model TFLOP/s and MFU (bench._job.PolicyFlops: recomputation under activation
 checkpointing is not counted, so checkpointing shows as lower FLOP/s), and the peak GiB allocated and
 reserved during the timed steps (CUDA). `vs_best_eager` divides the fastest eager setting's median seconds
-(the best a user can run without compiling) by the setting's own.
+(the best a user can run without compiling) by the setting's own. --profile appends torch.profiler's per-op
+tables of one more step per setting (device time, then host time) to <out>.profile.txt.
 
   python -m bench.train_phase --preset tiny               # CPU: what tests/test_bench.py runs
   python -m bench.train_phase --preset qwen3_1.7b_tail    # one H200: 512 long-tail rollouts of Qwen3-1.7B
@@ -25,11 +26,12 @@ Prints a table and writes bench/results/train_phase_<preset>.json (--out) after 
 """
 import argparse
 import gc
+import os
 import statistics
 
 import torch
 
-from bench._common import environment, out_of_memory, timed, write_json
+from bench._common import environment, out_of_memory, profile_steps, timed, write_json
 from bench._job import (PolicyFlops, add_job_arguments, add_step_arguments, job_config, new_job, random_rollouts,
                         resolve_preset, resolve_steps)
 from titan_draft.data.tasks import build_task
@@ -59,6 +61,8 @@ def parse_args():
     add_job_arguments(p, PRESETS, default="tiny")
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), help="default: the preset's, else all")
     add_step_arguments(p, "setting")
+    p.add_argument("--profile", action="store_true", help="per-op tables of one more step per setting "
+                   "(<out without .json>.profile.txt)")
     args = p.parse_args()
     preset = resolve_preset(args, PRESETS)
     args.settings = args.settings or preset.get("settings", list(SETTINGS))
@@ -75,9 +79,11 @@ def step_rollouts(cfg, task, generator: torch.Generator):
     return random_rollouts(prompts, answers, task.tokenizer.vocab_size, generator)
 
 
-def run_setting(cfg, rollouts, rounds: int, dump_folder: str, report) -> tuple[list[dict], str | None]:
+def run_setting(cfg, rollouts, rounds: int, dump_folder: str, report, profile: tuple[str, str] | None = None
+                ) -> tuple[list[dict], str | None]:
     """(a record per step, None) of `rounds` train_steps of a new job of `cfg`; the records so far and the
-    phase ("build" or "train") where the device ran out of memory."""
+    phase ("build" or "train") where the device ran out of memory. profile: (the setting's name, a file),
+    to append per-op tables of one more step to."""
     records, phase = [], "build"
     try:
         job, draft_opt = new_job(cfg, dump_folder)
@@ -95,6 +101,8 @@ def run_setting(cfg, rollouts, rounds: int, dump_folder: str, report) -> tuple[l
                                           if flops.peak_flops else None)
             records.append(record)
             report(i, record)
+        if profile is not None:
+            profile_steps({profile[0]: lambda: train_step(state, rollouts)}, job.device, profile[1], append=True)
         phase = None
     except Exception as err:
         if not out_of_memory(err):
@@ -164,7 +172,8 @@ def main():
         def report(i, record, name=name):
             print(f"{name:<20} step {i + 1}/{a.skip + a.steps}: {record['step_s']:.3f} s", flush=True)
 
-        records[name], oom = run_setting(cfg, rollouts, a.skip + a.steps, cfg.job.dump_folder, report)
+        profile = (name, os.path.splitext(a.out)[0] + ".profile.txt") if a.profile else None
+        records[name], oom = run_setting(cfg, rollouts, a.skip + a.steps, cfg.job.dump_folder, report, profile)
         timed_steps = records[name][a.skip:]
         table[name] = {**summarise(timed_steps), "oom": None} if timed_steps and not oom else {"oom": oom or "none"}
         write_json(a.out, {**result, "table": with_ratios(table), "records": records})

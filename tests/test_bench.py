@@ -251,8 +251,10 @@ def test_skinny_linear_bench_times_the_engines_fused_projections():
 
 def test_train_phase_bench_times_updates_of_the_same_rollouts_per_setting(tmp_path):
     out = tmp_path / "train_phase.json"
-    run_bench("bench.train_phase", "--preset", "tiny", "--out", str(out))
+    run_bench("bench.train_phase", "--preset", "tiny", "--profile", "--out", str(out))
     report = json.loads(out.read_text())
+    profile = (tmp_path / "train_phase.profile.txt").read_text()
+    assert all(f"## {name}: sorted by self_cpu_time_total" in profile for name in ("eager_none", "eager_full"))
     assert report["rollouts"] == 16 and report["packed_tokens"] > 16  # 4 prompts x 4, with their answers
     assert list(report["table"]) == list(report["records"]) == ["eager_none", "eager_full"]
     assert report["settings"]["eager_full"] == ["--activation_checkpoint.mode", "full"]
