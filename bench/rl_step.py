@@ -9,10 +9,12 @@ streams, in turn (none frozen cotrain none frozen cotrain ...: drifts of the mac
 alike). The real-size presets (qwen3_*), and --one-state, hold one mode's training state on the
 device at a time: each mode runs all its steps from the warm start, which waits in host memory,
 before the next begins (--modes splits them over separate runs of one saved warm start). A step is
-titan_draft.train's collect_rollouts + train_step, timed end to end. The first --skip steps of each mode are left out of the time statistics
-(allocation, CUDA graph capture, the adaptive-K controller's first cost measurements); rewards are
-reported for every step. The draft's share of the RL train time is train_step's own draft_time_s
-(the draft's forward, backward and optimizer step) over its train_time_s. The policy's part of the
+titan_draft.train's collect_rollouts + train_step, timed end to end. The first --skip steps of each mode
+are left out of the time statistics (allocation, CUDA graph capture, the adaptive-K controller's first
+cost measurements); rewards are reported for every step. `capture s` (rollout_capture_s) is the part of
+a step's rollouts spent capturing CUDA graphs, which release_caches makes each step pay again. The
+draft's share of the RL train time is train_step's own draft_time_s (the draft's forward, backward and
+optimizer step) over its train_time_s. The policy's part of the
 train time (train_time_s - draft_time_s) is also given as model FLOP/s: 6 x the blocks' parameters
 per packed token plus 6 x the output head's per response token (the head runs on response rows
 only), over that time; recomputation under activation checkpointing is not counted. On CUDA,
@@ -154,6 +156,7 @@ def summarise(steps: list[dict], flops: PolicyFlops) -> dict:
             "train_s": median(lambda s: s["train_s"]), "draft_s": median(lambda s: s["draft_s"]),
             "draft_share_of_train": median(lambda s: s["draft_s"] / s["train_s"]),
             "rollout_share": median(lambda s: s["rollout_s"] / s["step_s"]),
+            "rollout_capture_s": median(lambda s: s["rollout_capture_s"]),
             "acceptance_length": statistics.mean(s["acceptance_length"] for s in steps),
             "rollout_tokens_per_s": median(lambda s: s["rollout_tokens_per_s"]),
             "step_tokens_per_s": median(lambda s: s["generated_tokens"] / s["step_s"]),
@@ -170,12 +173,13 @@ def print_tables(a, cfg, table: dict, records: dict, speedups: dict) -> None:
     print(f"\nRL step, median of {a.steps} steps per mode ({a.skip} skipped), {cfg.rl.prompts_per_step} prompts x "
           f"{cfg.rl.group_size} samples, K = {ro.num_speculative_tokens}{' (adaptive)' if ro.adaptive else ''}, "
           f"task {cfg.task.name}")
-    print(f"{'mode':<8} {'step s':>8} {'rollout s':>10} {'train s':>8} {'draft s':>8} {'draft %':>8} "
-          f"{'rollout %':>10} {'accept':>7} {'rollout tok/s':>14} {'step tok/s':>11} {'reward':>7} "
+    print(f"{'mode':<8} {'step s':>8} {'rollout s':>10} {'capture s':>10} {'train s':>8} {'draft s':>8} "
+          f"{'draft %':>8} {'rollout %':>10} {'accept':>7} {'rollout tok/s':>14} {'step tok/s':>11} {'reward':>7} "
           f"{'policy TFLOP/s':>15} {'MFU':>5}")
     for mode, t in table.items():
         mfu = "n/a" if t["policy_train_mfu"] is None else f"{t['policy_train_mfu']:.2f}"
-        print(f"{mode:<8} {t['step_s']:>8.3f} {t['rollout_s']:>10.3f} {t['train_s']:>8.3f} {t['draft_s']:>8.3f} "
+        print(f"{mode:<8} {t['step_s']:>8.3f} {t['rollout_s']:>10.3f} {t['rollout_capture_s']:>10.3f} "
+              f"{t['train_s']:>8.3f} {t['draft_s']:>8.3f} "
               f"{100 * t['draft_share_of_train']:>7.1f}% {100 * t['rollout_share']:>9.1f}% "
               f"{t['acceptance_length']:>7.2f} {t['rollout_tokens_per_s']:>14.0f} {t['step_tokens_per_s']:>11.0f} "
               f"{t['reward_mean']:>7.3f} {t['policy_train_tflops_per_s']:>15.2f} {mfu:>5}")

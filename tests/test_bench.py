@@ -49,6 +49,8 @@ def test_rl_step_bench_compares_the_draft_modes_from_one_state(tmp_path):
         assert report["speedups"][f"step_none_over_{mode}"] == table["none"]["step_s"] / table[mode]["step_s"]
     for record in report["steps"]["cotrain"]:
         assert record["rollout_s"] + record["train_s"] <= record["step_s"]  # the step timing holds both parts
+        assert record["rollout_capture_s"] == 0  # no CUDA graphs on CPU
+    assert table["cotrain"]["rollout_capture_s"] == 0
     # The policy's model FLOP/s: 6 x block parameters per packed token + 6 x head parameters per response
     # token, over the train time less the draft's; no peak to divide by off CUDA.
     policy = report["policy"]
