@@ -71,6 +71,9 @@ CASES = [  # (world size, overrides, exact message)
     (2, ["--compile.enable", "--parallelism.context_parallel_degree", "2"],
      "compile.enable: context parallelism's ring attention is not compiled; set compile.enable = false or "
      "parallelism.context_parallel_degree = 1"),
+    (2, ["--compile.enable", "--parallelism.tensor_parallel_degree", "2", "--rl.logprob_chunk_size", "0"],
+     "compile.enable: tensor-parallel blocks (replicated norms, no sequence parallelism) fail in a compiled "
+     "backward; set compile.enable = false or parallelism.tensor_parallel_degree = 1"),
     (1, ["--checkpoint.async_mode", "async"],
      "checkpoint.async_mode: 'async' is not supported; use 'disabled'"),
     (1, ["--checkpoint.last_save_in_hf"],

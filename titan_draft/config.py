@@ -322,6 +322,9 @@ def _validate_compile(cfg, need) -> None:
          "compiled; set compile.enable = true (with 'model' in compile.components) or use 'none', 'selective' or 'full'")
     need(not (c.enable and cfg.parallelism.context_parallel_degree > 1), "compile.enable: context parallelism's ring "
          "attention is not compiled; set compile.enable = false or parallelism.context_parallel_degree = 1")
+    need(not (c.enable and cfg.parallelism.tensor_parallel_degree > 1), "compile.enable: tensor-parallel blocks "
+         "(replicated norms, no sequence parallelism) fail in a compiled backward; set compile.enable = false or "
+         "parallelism.tensor_parallel_degree = 1")
 
 
 def _validate_composition(cfg, plan, args, need) -> None:

@@ -15,7 +15,7 @@
   apply_context_parallel (train.py); warm starts run whole batches on every rank.
 - torch.compile ([compile] enable): "model" in components compiles each policy block whole (torchtitan's
   apply_compile, after TP and before FSDP); "loss" the LM head's chunked log-probs, entropy and teacher
-  (PolicyHead.compiled). The draft runs eagerly.
+  (PolicyHead.compiled). The draft runs eagerly; config.validate refuses compile with CP or TP.
 - FSDP2: torchtitan's apply_fsdp for the policy, fully_shard for the draft, over dp_shard x cp
   (torchtitan's "fsdp" mesh), or in one process training in bf16 over a mesh of its one rank, so
   that FSDP's MixedPrecisionPolicy casts the parameters there too (`fsdp_wraps`). Gradients are
