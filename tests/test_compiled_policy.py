@@ -1,7 +1,7 @@
 """torchtitan's [compile] on the policy: each block compiled whole ("model"; fullgraph, so a graph break
 fails) and the LM head's chunked log-probs ("loss") give the eager policy's RL step, gradients and metrics
 in float64, over micro-batches of changing shapes and under activation checkpointing (full for qwen3, selective
-for llama3; without it in tests/test_parallel_compose.py's pipeline layout); the packed attention
+and memory_budget for llama3; without it in tests/test_parallel_compose.py's pipeline layout); the packed attention
 op the compiled blocks call passes torch.library's own checks (schema, fake tensors, autograd), and selective
 op-level activation checkpointing keeps its output instead of running it again."""
 import os
@@ -44,14 +44,17 @@ def test_packed_attention_op_passes_opcheck_and_equals_the_dense_reference(devic
         torch.testing.assert_close(g, w, **tol)
 
 
-@pytest.mark.parametrize("model, ac", [("qwen3", "full"), ("llama3", "selective")])
+@pytest.mark.parametrize("model, ac", [("qwen3", "full"), ("llama3", "selective"), ("llama3", "memory_budget")])
 def test_compiled_blocks_leave_the_step_unchanged(model, ac):
-    """The cotrain step (policy, reference and draft) in micro-batches: eager against compiled blocks."""
+    """The cotrain step (policy, reference and draft) in micro-batches: eager against compiled blocks
+    (memory_budget, which needs them, against eager full checkpointing)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    overrides = [*LEVERS, "--model.name", model, "--activation_checkpoint.mode", ac]
-    eager = step(*overrides)
-    compiled = step(*overrides, *COMPILE)
+    overrides = [*LEVERS, "--model.name", model]
+    eager = step(*overrides, "--activation_checkpoint.mode", "full" if ac == "memory_budget" else ac)
+    budget = torch._functorch.config.activation_memory_budget
+    with torch._functorch.config.patch(activation_memory_budget=budget):  # memory_budget sets it process-wide
+        compiled = step(*overrides, "--activation_checkpoint.mode", ac, *COMPILE)
     policy = compiled[3].policy.parts[0]
     assert all(isinstance(block, OptimizedModule) for block in policy.layers.values()) and policy.output.compiled
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # they ran compiled

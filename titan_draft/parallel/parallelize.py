@@ -179,6 +179,7 @@ def apply_activation_checkpointing(policy: nn.Module, cfg) -> nn.Module:
 
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(policy, cfg.activation_checkpoint, base_folder=cfg.job.dump_folder,
+                 model_compile_enabled=compiles_policy(cfg),  # memory_budget: the compiler's partitioner
                  op_sac_save_list=_op_sac_save_list | {torch.ops.titan_draft.packed_attention.default})
     return policy
 
