@@ -312,14 +312,15 @@ def _type_name(hint) -> str:
 
 
 def _validate_compile(cfg, need) -> None:
-    """torchtitan's [compile] and what needs it (titan_draft/parallel/parallelize.py compiles_policy)."""
-    from titan_draft.parallel.parallelize import compiles_policy
+    """torchtitan's [compile] and what needs it (titan_draft/parallel/parallelize.py compiles)."""
+    from titan_draft.parallel.parallelize import compiles
 
     c, ac = cfg.compile, cfg.activation_checkpoint.mode
     unknown = sorted(set(c.components) - {"model", "loss"})
     need(not unknown, f"compile.components: {unknown} unknown; use 'model' and/or 'loss'")
-    need(ac != "memory_budget" or compiles_policy(cfg), f"activation_checkpoint.mode: '{ac}' needs the model "
-         "compiled; set compile.enable = true (with 'model' in compile.components) or use 'none', 'selective' or 'full'")
+    need(ac != "memory_budget" or compiles(cfg, "model"), f"activation_checkpoint.mode: '{ac}' needs the model "
+         "compiled; set compile.enable = true (with 'model' in compile.components) or use 'none', 'selective' "
+         "or 'full'")
     need(not (c.enable and cfg.parallelism.context_parallel_degree > 1), "compile.enable: context parallelism's ring "
          "attention is not compiled; set compile.enable = false or parallelism.context_parallel_degree = 1")
     need(not (c.enable and cfg.parallelism.tensor_parallel_degree > 1), "compile.enable: tensor-parallel blocks "

@@ -109,11 +109,13 @@ def branch_attention(q, k, v, branch_k=None, branch_v=None, cu_seqlens=None, sca
         if cu_seqlens is None:
             cu_seqlens = _one_document(q.shape[0], q.device)
         return torch.ops.titan_draft.packed_attention(q, k, v, cu_seqlens, scale)
+    return _BranchAttention.apply(q, k, v, branch_k, branch_v, _checked_varlen(q, k, v, branch_k, branch_v, cu_seqlens),
+                                  scale)
+
+
+def _checked_varlen(q, k, v, branch_k, branch_v, cu_seqlens) -> Varlen:
+    """The packed documents of cu_seqlens as a causal Varlen, the shapes checked (_validate)."""
     cu_seqlens, bounds, _ = _validate(q, k, v, branch_k, branch_v, cu_seqlens)
-    return _BranchAttention.apply(q, k, v, branch_k, branch_v, _packed_varlen(cu_seqlens, bounds), scale)
-
-
-def _packed_varlen(cu_seqlens: torch.Tensor, bounds: tuple[int, ...]) -> Varlen:
     return Varlen.packed_causal(cu_seqlens, max(end - start for start, end in zip(bounds, bounds[1:])))
 
 
@@ -121,9 +123,8 @@ def _packed_varlen(cu_seqlens: torch.Tensor, bounds: tuple[int, ...]) -> Varlen:
 def _packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """branch_attention with no branch: (out, lse)."""
-    cu_seqlens, bounds, _ = _validate(q, k, v, None, None, cu_seqlens)
     with autocast_off(q.device.type):
-        return attn_forward(q, k, v, _packed_varlen(cu_seqlens, bounds), scale)
+        return attn_forward(q, k, v, _checked_varlen(q, k, v, None, None, cu_seqlens), scale)
 
 
 @_packed_attention.register_fake
@@ -136,8 +137,7 @@ def _packed_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
                                out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor,
                                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of packed_attention, from its out and lse."""
-    cu_seqlens, bounds, _ = _validate(q, k, v, None, None, cu_seqlens)
-    return attn_backward(dout, q, k, v, out, lse, _packed_varlen(cu_seqlens, bounds), scale)
+    return attn_backward(dout, q, k, v, out, lse, _checked_varlen(q, k, v, None, None, cu_seqlens), scale)
 
 
 @_packed_attention_backward.register_fake

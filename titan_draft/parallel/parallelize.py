@@ -179,14 +179,15 @@ def apply_activation_checkpointing(policy: nn.Module, cfg) -> nn.Module:
 
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(policy, cfg.activation_checkpoint, base_folder=cfg.job.dump_folder,
-                 model_compile_enabled=compiles_policy(cfg),  # memory_budget: the compiler's partitioner
+                 model_compile_enabled=compiles(cfg, "model"),  # memory_budget: the compiler's partitioner
                  op_sac_save_list=_op_sac_save_list | {torch.ops.titan_draft.packed_attention.default})
     return policy
 
 
-def compiles_policy(cfg) -> bool:
-    """Whether torchtitan's [compile] asks for the model compiled (enable, "model" in components)."""
-    return cfg.compile.enable and "model" in cfg.compile.components
+def compiles(cfg, component: str) -> bool:
+    """Whether torchtitan's [compile] asks for `component` ("model": the policy's blocks; "loss": its
+    LM head's chunked reduction) compiled."""
+    return cfg.compile.enable and component in cfg.compile.components
 
 
 def parallelize_policy(policy: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
@@ -200,11 +201,10 @@ def parallelize_policy(policy: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
         for block in policy.layers.values():
             parallelize_module(block, tp_mesh, POLICY_LAYER_TP_PLAN)
         _replicate_norms(policy, tp_mesh)
-    if compiles_policy(cfg):
+    if compiles(cfg, "model"):
         # fullgraph per block: its attention is one opaque op (ops/branch_attention.py packed_attention).
         apply_compile(policy, cfg.compile)
-    if cfg.compile.enable and "loss" in cfg.compile.components and isinstance(getattr(policy, "output", None),
-                                                                               PolicyHead):
+    if compiles(cfg, "loss") and isinstance(getattr(policy, "output", None), PolicyHead):
         policy.output.compiled = True  # the LM head's chunked log-probs (ops/linear_logprobs.py)
     if fsdp_wraps(dims, cfg.training.mixed_precision_param, _compat.device()):
         apply_fsdp(policy, _fsdp_mesh(dims), param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],
