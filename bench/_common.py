@@ -153,6 +153,11 @@ def profile_steps(steps: dict, device: torch.device, path: str, append: bool = F
     print(f"wrote {path}")
 
 
+def highest(records: list[dict], keys) -> dict:
+    """Each key's highest value over the records (peak memory per phase), None where they hold None (off CUDA)."""
+    return {key: max(r[key] for r in records) if records[0][key] is not None else None for key in keys}
+
+
 def gib(nbytes) -> str:
     return "n/a" if nbytes is None else f"{nbytes / 2 ** 30:.2f}"
 

@@ -52,6 +52,10 @@ class PolicyFlops:
         flops = 6 * (self.block_params * record["packed_tokens"] + self.head_params * record["generated_tokens"])
         return flops / (record["train_s"] - record["draft_s"])
 
+    def mfu(self, flops_per_s: float) -> float | None:
+        """flops_per_s over the device's bf16 dense peak (None off CUDA)."""
+        return flops_per_s / self.peak_flops if self.peak_flops else None
+
 
 def add_job_arguments(parser, presets: dict, default: str) -> None:
     """--preset (a TOML of train_configs/, overrides, the bench's own settings), --config, and job config

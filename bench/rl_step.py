@@ -41,7 +41,7 @@ import tempfile
 
 import torch
 
-from bench._common import alternate, environment, profile_steps, write_json
+from bench._common import alternate, environment, highest, profile_steps, write_json
 from bench._job import (PolicyFlops, add_job_arguments, add_step_arguments, job_config, resolve_preset, resolve_steps,
                         warm_started_job)
 from titan_draft.plan import build_plan
@@ -161,11 +161,9 @@ def summarise(steps: list[dict], flops: PolicyFlops) -> dict:
             "rollout_tokens_per_s": median(lambda s: s["rollout_tokens_per_s"]),
             "step_tokens_per_s": median(lambda s: s["generated_tokens"] / s["step_s"]),
             "policy_train_tflops_per_s": policy_flops / 1e12,
-            "policy_train_mfu": policy_flops / flops.peak_flops if flops.peak_flops else None,
+            "policy_train_mfu": flops.mfu(policy_flops),
             "reward_mean": statistics.mean(s["reward_mean"] for s in steps),
-            # The highest over the timed steps (None off CUDA).
-            **{key: max(s[key] for s in steps) if steps[0][key] is not None else None
-               for key in ("memory_peak_gib_rollout", "memory_peak_gib_train")}}
+            **highest(steps, ("memory_peak_gib_rollout", "memory_peak_gib_train"))}
 
 
 def print_tables(a, cfg, table: dict, records: dict, speedups: dict) -> None:

@@ -31,7 +31,7 @@ import statistics
 
 import torch
 
-from bench._common import environment, out_of_memory, profile_steps, timed, write_json
+from bench._common import environment, highest, out_of_memory, profile_steps, timed, write_json
 from bench._job import (PolicyFlops, add_job_arguments, add_step_arguments, job_config, new_job, random_rollouts,
                         resolve_preset, resolve_steps)
 from titan_draft.data.tasks import build_task
@@ -97,8 +97,7 @@ def run_setting(cfg, rollouts, rounds: int, dump_folder: str, report, profile: t
             record = {"step_s": seconds, "draft_s": metrics.get("draft_time_s", 0.0), "packed_tokens": packed,
                       "generated_tokens": generated, "peak_gib": peak.gib, "reserved_gib": peak.reserved_gib}
             record["policy_train_tflops_per_s"] = flops.per_second({**record, "train_s": seconds}) / 1e12
-            record["policy_train_mfu"] = (record["policy_train_tflops_per_s"] * 1e12 / flops.peak_flops
-                                          if flops.peak_flops else None)
+            record["policy_train_mfu"] = flops.mfu(record["policy_train_tflops_per_s"] * 1e12)
             records.append(record)
             report(i, record)
         if profile is not None:
@@ -121,12 +120,10 @@ def summarise(records: list[dict]) -> dict:
     def median(key):
         return statistics.median(r[key] for r in records)
 
-    peaks = {key: max(r[key] for r in records) if records[0][key] is not None else None
-             for key in ("peak_gib", "reserved_gib")}
     return {"steps": len(records), "step_s": median("step_s"), "draft_s": median("draft_s"),
             "policy_train_tflops_per_s": median("policy_train_tflops_per_s"),
             "policy_train_mfu": median("policy_train_mfu") if records[0]["policy_train_mfu"] is not None else None,
-            **peaks}
+            **highest(records, ("peak_gib", "reserved_gib"))}
 
 
 def with_ratios(table: dict) -> dict:
