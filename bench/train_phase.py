@@ -51,7 +51,8 @@ PRESETS = {
     "qwen3_1.7b_tail": dict(config="train_configs/qwen3_1.7b_arith_tail.toml", steps=3, skip=1),
     "qwen3_4b_tail": dict(config="train_configs/qwen3_4b_arith_tail.toml", steps=3, skip=1),
 }
-COMPILE = {"eager": [], "compiled": ["--compile.enable"]}  # torchtitan's default components: model and loss
+# Each side explicit, whatever the preset sets; compiled: torchtitan's default components, model and loss.
+COMPILE = {"eager": ["--compile.no-enable"], "compiled": ["--compile.enable"]}
 SETTINGS = {f"{compiled}_{ac}": [*overrides, "--activation_checkpoint.mode", ac]
             for compiled, overrides in COMPILE.items() for ac in ("none", "selective", "full")}
 
