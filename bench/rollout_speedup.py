@@ -126,7 +126,7 @@ def summary(task, batches: list, rounds: list[list]) -> dict:
 
 
 def measure_batch(engine, job, a, batch_size: int, temperature: float, bandwidth: float | None) -> dict:
-    """One row of the table: every column on the same batch_size prompts, then the step costs
+    """One row of the table: every column on the same prompts (batches of batch_size), then the step costs
     (bench.decode_step.step_costs) at the plain column's mean position of a decode step."""
     task, cfg = job.task, job.cfg
     sampler = torch.Generator().manual_seed(a.seed + batch_size)
