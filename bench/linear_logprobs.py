@@ -1,7 +1,9 @@
 """Per-token log-probs from hidden states and the LM head, forward + backward of sum(logprobs * u) for a
 random u, side by side in one process: the dense reference (full logits, chunk 0), the chunked
-titan_draft.ops.linear_logprobs at several chunk sizes, and liger-kernel's fused linear cross-entropy
-(reduction="none", logprobs = -its per-token loss) where it imports.
+titan_draft.ops.linear_logprobs at several chunk sizes, eager and compiled (`_compiled`: each chunk's
+statistics and its logits' gradient through torch.compile, what [compile] components "loss" runs), and
+liger-kernel's fused linear cross-entropy (reduction="none", logprobs = -its per-token loss) where it
+imports.
 
     python -m bench.linear_logprobs                       # one GPU: the Qwen3-1.7B head, R 8K and 32K rows
     python -m bench.linear_logprobs --device cpu --tiny   # shapes only, seconds, no speed claim
@@ -32,6 +34,8 @@ def parse_args():
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--chunks", type=int, nargs="+", default=None)
+    p.add_argument("--compiled-chunks", type=int, nargs="*", default=None,
+                   help="chunk sizes also timed compiled (default: every --chunks size; --tiny: the first)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--out")
@@ -41,6 +45,8 @@ def parse_args():
     for name, value in sizes.items():
         if getattr(a, name) is None:
             setattr(a, name, value)
+    if a.compiled_chunks is None:
+        a.compiled_chunks = a.chunks[:1] if a.tiny else a.chunks
     return a
 
 
@@ -55,17 +61,18 @@ def liger_loss():
     return LigerFusedLinearCrossEntropyLoss(reduction="none"), version
 
 
-def step_fn(chunk_size, hidden, weight, targets, upstream, liger):
-    """One forward + backward of sum(logprobs * upstream), by linear_token_outputs at chunk_size or, for
-    chunk_size None, by liger; returns the gradients of hidden and weight."""
+def step_fn(variant, hidden, weight, targets, upstream, liger):
+    """One forward + backward of sum(logprobs * upstream), by linear_token_outputs for a variant
+    (chunk_size, compiled) or, for None, by liger; returns the gradients of hidden and weight."""
     def step():
-        if chunk_size is None:
+        if variant is None:
             loss = liger(weight, hidden, targets)
             # Newer releases return an output object or a tuple; the per-token loss comes first.
             loss = loss.loss if hasattr(loss, "loss") else loss[0] if isinstance(loss, tuple) else loss
             logprobs = -loss
         else:
-            logprobs = linear_token_outputs(hidden, weight, targets, chunk_size=chunk_size).logprobs
+            chunk_size, compiled = variant
+            logprobs = linear_token_outputs(hidden, weight, targets, chunk_size=chunk_size, compiled=compiled).logprobs
         return torch.autograd.grad((logprobs * upstream).sum(), (hidden, weight))
     return step
 
@@ -76,17 +83,17 @@ def relative_error(grads, reference) -> float:
 
 
 def measure(a, rows, variants, liger, device, dtype, generator):
-    """One result row per variant ({name: chunk size, None for liger}) at `rows` rows; a variant out of
-    memory gets ms = None."""
+    """One result row per variant ({name: (chunk size, compiled), None for liger}) at `rows` rows; a variant
+    out of memory gets ms = None."""
     hidden = torch.randn(rows, a.hidden, generator=generator).to(device, dtype).requires_grad_()
     weight = (torch.randn(a.vocab, a.hidden, generator=generator) * a.hidden ** -0.5).to(device, dtype)
     weight.requires_grad_()
     targets = torch.randint(a.vocab, (rows,), generator=generator).to(device)
     upstream = torch.randn(rows, generator=generator).to(device)
-    reference = step_fn(a.chunks[0], hidden, weight, targets, upstream, liger)()
+    reference = step_fn((a.chunks[0], False), hidden, weight, targets, upstream, liger)()
     results = []
-    for name, chunk_size in variants.items():
-        step = step_fn(chunk_size, hidden, weight, targets, upstream, liger)
+    for name, variant in variants.items():
+        step = step_fn(variant, hidden, weight, targets, upstream, liger)
         row = dict(rows=rows, variant=name, ms=None, peak_gib=None, grad_err=None)
         try:
             row["grad_err"] = relative_error(step(), reference)
@@ -108,11 +115,11 @@ def measure(a, rows, variants, liger, device, dtype, generator):
 def format_row(row) -> str:
     def number(value, digits=2):
         return "-" if value is None else f"{value:.{digits}f}"
-    return (f"{row['rows']:>7} {row['variant']:>11} {number(row['ms']):>9} {number(row['peak_gib']):>9} "
+    return (f"{row['rows']:>7} {row['variant']:>20} {number(row['ms']):>9} {number(row['peak_gib']):>9} "
             f"{number(row['dense_over']):>8} {number(row['grad_err'], 5):>9}")
 
 
-HEADER = f"{'rows':>7} {'variant':>11} {'ms':>9} {'peak GiB':>9} {'dense/':>8} {'grad_err':>9}"
+HEADER = f"{'rows':>7} {'variant':>20} {'ms':>9} {'peak GiB':>9} {'dense/':>8} {'grad_err':>9}"
 
 
 def main():
@@ -122,7 +129,8 @@ def main():
     liger, liger_status = liger_loss()
     if liger is not None and device.type != "cuda":
         liger, liger_status = None, f"{liger_status}, needs CUDA"
-    variants = {"dense": 0, **{f"chunk_{size}": size for size in a.chunks}}
+    variants = {"dense": (0, False), **{f"chunk_{size}": (size, False) for size in a.chunks},
+                **{f"chunk_{size}_compiled": (size, True) for size in a.compiled_chunks}}
     if liger is not None:
         variants["liger"] = None
     print(f"device {device} hidden {a.hidden} vocab {a.vocab} dtype {dtype} liger-kernel: {liger_status}")

@@ -4,7 +4,7 @@ write the JSON their README tables are made from:
     subset of them, --modes);
 (b) bench.rollout_speedup --preset smoke: plain, every fixed K and adaptive K per batch size;
 (c) bench.branch_attention on CPU: the row fields of bench/results/branch_attention_h200.json;
-(d) bench.linear_logprobs --device cpu --tiny: dense, chunked and (CUDA only) liger side by side;
+(d) bench.linear_logprobs --device cpu --tiny: dense, chunked (eager and compiled) and (CUDA only) liger side by side;
 (e) bench.decode_step --preset smoke: plain, verify and whole decode-step costs per batch size;
 (f) bench.memory_table: its search on a fake fits rule, and the tiny preset's probes end to end;
 (g) bench.train_phase --preset tiny: the RL update alone with and without activation checkpointing, on
@@ -154,7 +154,7 @@ def test_linear_logprobs_bench_tiny(tmp_path):
     run_bench("bench.linear_logprobs", "--device", "cpu", "--tiny", "--warmup", "1", "--iters", "1", "--out", str(out))
     report = json.loads(out.read_text())
     assert report["liger_kernel"] == "not installed" or report["liger_kernel"].endswith(", needs CUDA")
-    variants = ["dense", "chunk_32", "chunk_128"]  # no liger off CUDA
+    variants = ["dense", "chunk_32", "chunk_128", "chunk_32_compiled"]  # no liger off CUDA
     assert [(row["rows"], row["variant"]) for row in report["rows"]] == [(r, v) for r in (128, 512) for v in variants]
     for row in report["rows"]:
         assert row["ms"] > 0 and row["peak_gib"] is None  # CUDA only
