@@ -80,6 +80,12 @@ def step_rollouts(cfg, task, generator: torch.Generator):
     return random_rollouts(prompts, answers, task.tokenizer.vocab_size, generator)
 
 
+def token_counts(rollouts) -> dict:
+    """The rollouts' packed tokens (prompts and answers) and generated tokens (answers)."""
+    return {"packed_tokens": int((rollouts.prompt_lengths + rollouts.response_lengths).sum()),
+            "generated_tokens": int(rollouts.response_lengths.sum())}
+
+
 def run_setting(cfg, rollouts, rounds: int, dump_folder: str, report, profile: tuple[str, str] | None = None
                 ) -> tuple[list[dict], str | None]:
     """(a record per step, None) of `rounds` train_steps of a new job of `cfg`; the records so far and the
@@ -89,16 +95,14 @@ def run_setting(cfg, rollouts, rounds: int, dump_folder: str, report, profile: t
     try:
         job, draft_opt = new_job(cfg, dump_folder)
         state, phase = RLState.create(job, draft_opt), "train"
-        flops = PolicyFlops.of(job.policy, job.device)
-        packed = int((rollouts.prompt_lengths + rollouts.response_lengths).sum())
-        generated = int(rollouts.response_lengths.sum())
+        flops, tokens = PolicyFlops.of(job.policy, job.device), token_counts(rollouts)
         for i in range(rounds):
             with PhasePeak(job.device) as peak:
                 seconds, metrics = timed(lambda: train_step(state, rollouts), job.device)
-            record = {"step_s": seconds, "draft_s": metrics.get("draft_time_s", 0.0), "packed_tokens": packed,
-                      "generated_tokens": generated, "peak_gib": peak.gib, "reserved_gib": peak.reserved_gib}
-            record["policy_train_tflops_per_s"] = flops.per_second({**record, "train_s": seconds}) / 1e12
-            record["policy_train_mfu"] = flops.mfu(record["policy_train_tflops_per_s"] * 1e12)
+            record = {"step_s": seconds, "draft_s": metrics.get("draft_time_s", 0.0), **tokens,
+                      "peak_gib": peak.gib, "reserved_gib": peak.reserved_gib}
+            flops_per_s = flops.per_second({**record, "train_s": seconds})
+            record["policy_train_tflops_per_s"], record["policy_train_mfu"] = flops_per_s / 1e12, flops.mfu(flops_per_s)
             records.append(record)
             report(i, record)
         if profile is not None:
@@ -160,8 +164,7 @@ def main():
     rollouts = step_rollouts(base, task, torch.Generator().manual_seed(0))  # the same for every setting
     result = {"preset": a.preset, "config": a.config, "overrides": a.overrides, "environment": environment(),
               "steps": a.steps, "skip": a.skip, "settings": {name: SETTINGS[name] for name in a.settings},
-              "rollouts": len(rollouts.tokens),
-              "packed_tokens": int((rollouts.prompt_lengths + rollouts.response_lengths).sum())}
+              "rollouts": len(rollouts.tokens), "packed_tokens": token_counts(rollouts)["packed_tokens"]}
     table, records = {}, {}
     for name in a.settings:
         cfg = job_config(a.config, [*a.overrides, *SETTINGS[name]])
