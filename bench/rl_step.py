@@ -28,7 +28,8 @@ only), over that time; recomputation under activation checkpointing is not count
   python -m bench.rl_step --preset qwen3_1.7b_tail --warm-start outputs/warm_1.7b   # one H200: the same, Qwen3-1.7B
   python -m bench.rl_step --preset qwen3_4b_tail --warm-start outputs/warm_4b       # one H200: Qwen3-4B, 256 rollouts
   python -m bench.rl_step --preset cpu -- --rl.prompts_per_step 64   # any job config override after --
-Prints a table and writes bench/results/rl_step_<preset>.json (--out to change). --profile also writes
+Prints a table and writes bench/results/rl_step_<preset>.json (--out to change; one mode at a time, it is
+written after every mode, so a run cut short keeps the modes it finished). --profile also writes
 <out>.profile.txt: torch.profiler's per-op tables (device and host time) of one more step per mode.
 """
 import argparse
@@ -210,34 +211,41 @@ def main():
     rounds = a.skip + a.steps
     profile_path = os.path.splitext(a.out)[0] + ".profile.txt" if a.profile else None
     flops = PolicyFlops.of(job.policy, job.device)
+    def report_of(timed: dict) -> dict:
+        """The JSON report of the modes in `timed` (mode -> its (seconds, record) steps)."""
+        records = {mode: [{"step_s": seconds, **r} for seconds, r in steps] for mode, steps in timed.items()}
+        table = {mode: summarise(records[mode][a.skip:], flops) for mode in timed}
+        speedups = {}
+        for mode in [m for m in ("frozen", "cotrain") if m in table and "none" in table]:
+            speedups[f"step_none_over_{mode}"] = table["none"]["step_s"] / table[mode]["step_s"]
+            speedups[f"rollout_none_over_{mode}"] = table["none"]["rollout_s"] / table[mode]["rollout_s"]
+        return {"preset": a.preset, "config": a.config, "overrides": a.overrides, **environment(),
+                "policy": {"name": cfg.model.name, "flavor": cfg.model.flavor,
+                           "params": sum(p.numel() for p in job.policy.parameters()),
+                           "block_params": flops.block_params, "head_params": flops.head_params},
+                "peak_flops": flops.peak_flops,
+                "draft_params": sum(p.numel() for p in job.draft.parameters()),
+                "task": dataclasses.asdict(cfg.task), "rl": dataclasses.asdict(cfg.rl),
+                "draft": dataclasses.asdict(cfg.draft),
+                "rollout": dataclasses.asdict(cfg.rollout), "warm_start_s": warm_start_s, "skip": a.skip,
+                "table": table, "speedups": speedups,
+                "reward_per_step": {mode: [r["reward_mean"] for r in records[mode]] for mode in timed},
+                "steps": records}
+
     if a.one_state:
         if profile_path:
             open(profile_path, "w").close()  # each mode appends its tables after its timed steps
-        timed = {mode: one_mode(job, draft_opt, mode, rounds, progress, profile_path) for mode in a.modes}
+        timed = {}
+        for mode in a.modes:
+            timed[mode] = one_mode(job, draft_opt, mode, rounds, progress, profile_path)
+            report = report_of(timed)
+            write_json(a.out, report)  # after every mode: a run cut short keeps the modes it finished
     else:
         states = {mode: mode_state(job, draft_opt, mode) for mode in a.modes}
-        timed = alternate({mode: step_of(states[mode]) for mode in a.modes}, rounds, job.device, report=progress)
-    records = {mode: [{"step_s": seconds, **r} for seconds, r in steps] for mode, steps in timed.items()}
-    table = {mode: summarise(records[mode][a.skip:], flops) for mode in a.modes}
-    speedups = {}
-    for mode in [m for m in ("frozen", "cotrain") if m in table and "none" in table]:
-        speedups[f"step_none_over_{mode}"] = table["none"]["step_s"] / table[mode]["step_s"]
-        speedups[f"rollout_none_over_{mode}"] = table["none"]["rollout_s"] / table[mode]["rollout_s"]
-    print_tables(a, cfg, table, records, speedups)
-
-    report = {"preset": a.preset, "config": a.config, "overrides": a.overrides, **environment(),
-              "policy": {"name": cfg.model.name, "flavor": cfg.model.flavor,
-                         "params": sum(p.numel() for p in job.policy.parameters()),
-                         "block_params": flops.block_params, "head_params": flops.head_params},
-              "peak_flops": flops.peak_flops,
-              "draft_params": sum(p.numel() for p in job.draft.parameters()),
-              "task": dataclasses.asdict(cfg.task), "rl": dataclasses.asdict(cfg.rl),
-              "draft": dataclasses.asdict(cfg.draft),
-              "rollout": dataclasses.asdict(cfg.rollout), "warm_start_s": warm_start_s, "skip": a.skip,
-              "table": table, "speedups": speedups,
-              "reward_per_step": {mode: [r["reward_mean"] for r in records[mode]] for mode in a.modes},
-              "steps": records}
-    write_json(a.out, report)
+        report = report_of(alternate({mode: step_of(states[mode]) for mode in a.modes}, rounds, job.device,
+                                     report=progress))
+        write_json(a.out, report)
+    print_tables(a, cfg, report["table"], report["steps"], report["speedups"])
     if profile_path and not a.one_state:
         profile_steps({mode: step_of(states[mode]) for mode in a.modes}, job.device, profile_path)
     job.metrics.close()

@@ -271,3 +271,28 @@ def test_train_phase_bench_times_updates_of_the_same_rollouts_per_setting(tmp_pa
     table = report["table"]
     best = min(row["step_s"] for row in table.values())
     assert all(row["vs_best_eager"] == best / row["step_s"] for row in table.values())
+
+
+def test_rl_step_bench_one_state_keeps_the_modes_a_cut_short_run_finished(tmp_path, monkeypatch):
+    """One mode at a time, the JSON is written after every mode: a run stopped in its second mode
+    (here by an error; on a GPU by a time limit) keeps the first mode's steps and table."""
+    import pytest
+
+    from bench import rl_step
+
+    finish_one_mode = rl_step.one_mode
+
+    def one_mode(job, draft_opt, mode, *args):
+        if mode == "cotrain":
+            raise KeyboardInterrupt("cut short")
+        return finish_one_mode(job, draft_opt, mode, *args)
+
+    out = tmp_path / "rl_step.json"
+    monkeypatch.setattr(rl_step, "one_mode", one_mode)
+    monkeypatch.setattr(sys, "argv", ["rl_step", "--preset", "tiny", "--modes", "none", "cotrain", "--one-state",
+                                      "--steps", "1", "--skip", "0", "--out", str(out)])
+    with pytest.raises(KeyboardInterrupt, match="cut short"):
+        rl_step.main()
+    report = json.loads(out.read_text())
+    assert list(report["table"]) == list(report["steps"]) == ["none"]
+    assert report["table"]["none"]["steps"] == 1
