@@ -211,6 +211,7 @@ def main():
     rounds = a.skip + a.steps
     profile_path = os.path.splitext(a.out)[0] + ".profile.txt" if a.profile else None
     flops = PolicyFlops.of(job.policy, job.device)
+
     def report_of(timed: dict) -> dict:
         """The JSON report of the modes in `timed` (mode -> its (seconds, record) steps)."""
         records = {mode: [{"step_s": seconds, **r} for seconds, r in steps] for mode, steps in timed.items()}

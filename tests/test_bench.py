@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -276,8 +277,6 @@ def test_train_phase_bench_times_updates_of_the_same_rollouts_per_setting(tmp_pa
 def test_rl_step_bench_one_state_keeps_the_modes_a_cut_short_run_finished(tmp_path, monkeypatch):
     """One mode at a time, the JSON is written after every mode: a run stopped in its second mode
     (here by an error; on a GPU by a time limit) keeps the first mode's steps and table."""
-    import pytest
-
     from bench import rl_step
 
     finish_one_mode = rl_step.one_mode
