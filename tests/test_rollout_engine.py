@@ -14,7 +14,7 @@ from titan_draft.infra import _compat
 from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.rollout import EngineOptions, GoodputController, RolloutEngine, probs_from_logits
-from titan_draft.rollout.cached_model import _attend_folded
+from titan_draft.rollout.cached_model import _attend_folded, block_forward, compile_for_decoding
 from titan_draft.rollout.engine import StepShape
 
 DEVICE = _compat.device()  # the engine runs where the policy does: the CUDA path on a GPU machine
@@ -106,11 +106,16 @@ def reference_logits(policy, seqs):
     return logits, rec.taps(), rec.embeddings(), batch
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3"])
-def test_cached_policy_equals_torchtitan_forward_with_rollback(name):
+@pytest.mark.parametrize("name,compiled", [("llama3", False), ("qwen3", False), ("qwen3", True)])
+def test_cached_policy_equals_torchtitan_forward_with_rollback(name, compiled):
     """Prefill, then windows of 3 positions per row of which a random 1..3 are kept (the rest is
-    rolled back): every kept logit and tap equals torchtitan's packed forward of the sequence."""
+    rolled back): every kept logit and tap equals torchtitan's packed forward of the sequence.
+    compiled: the blocks through torch.compile as a compiled engine runs them (in one graph each:
+    the first block's, without an incoming MLP output, and the others')."""
     policy, _, engine = make(name)
+    if compiled:
+        torch._dynamo.reset()
+        engine.model.block = compile_for_decoding(block_forward, fullgraph=True)
     gen = torch.Generator().manual_seed(1)
     B, P, T = 3, 5, 30
     seqs = torch.randint(0, VOCAB, (B, T), generator=gen).to(DEVICE)

@@ -11,7 +11,8 @@ decode kernel that reads each row's slots up to its last query (ops/decode_atten
 calls (prefill) read the first `width` slots, the smallest of a few widths (the whole cache, then
 halvings: `cache_width`) that holds what the call needs, so a call runs in a few static shapes.
 The policy's blocks run on their weights in an inference layout (`BlockWeights`: fused q/k/v and
-gate/up projections) through one `block_forward`, which torch.compile takes once for all blocks.
+gate/up projections) through one `block_forward`, which torch.compile takes once for all blocks (two
+graphs: the first block, which receives no MLP output from a block before it, and the others).
 """
 from contextlib import contextmanager
 from dataclasses import replace
@@ -168,12 +169,20 @@ def _project(x: torch.Tensor, w: torch.Tensor, few_rows: int) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def block_forward(h, weights: BlockWeights, rope, positions, rows, width: int, k_cache, v_cache, *, rotary,
-                  n_heads: int, n_kv_heads: int, head_dim: int, eps: float, scaling: float | None, few_rows: int = 0,
-                  ffn=None):
+def block_forward(stream, delta, weights: BlockWeights, rope, positions, rows, width: int, k_cache, v_cache, *,
+                  rotary, n_heads: int, n_kv_heads: int, head_dim: int, eps: float, scaling: float | None,
+                  few_rows: int = 0, ffn=None):
     """torchtitan's TransformerBlock.forward on BlockWeights, with attention over a static cache:
     the new keys/values go to slots `positions` of rows `rows`, and each query attends the slots
-    up to its position (all below `width`). ffn: the MoE module of a block without gate_up."""
+    up to its position (all below `width`). ffn: the MoE module of a block without gate_up.
+
+    The residual stream comes in two parts, stream + delta (delta: the previous block's MLP output,
+    None before the first block), and leaves in two: the block adds its own MLP output in the next
+    block, where a compiled step fuses that add into the next block's first norm (an add at the
+    block's end follows the MLP's GEMM in a kernel of its own). Returns (the stream this block
+    received, i.e. the previous block's output; the stream after attention; the MLP's output)."""
+    h = stream if delta is None else stream + delta
+    entered = h
     B, S, dim = h.shape
     x = F.rms_norm(h, (dim,), weights.attention_norm, eps)
     q, k, v = _project(x, weights.qkv, few_rows).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
@@ -188,9 +197,9 @@ def block_forward(h, weights: BlockWeights, rope, positions, rows, width: int, k
     h = h + _project(out.flatten(2), weights.wo, few_rows)
     x = F.rms_norm(h, (dim,), weights.ffn_norm, eps)
     if weights.gate_up is None:
-        return h + ffn(x)
+        return entered, h, ffn(x)
     gate, up = _project(x, weights.gate_up, few_rows).chunk(2, dim=-1)
-    return h + _project(F.silu(gate) * up, weights.down, few_rows)
+    return entered, h, _project(F.silu(gate) * up, weights.down, few_rows)
 
 
 class CachedModels:
@@ -265,12 +274,16 @@ class CachedModels:
         rows = torch.arange(B, device=tokens.device)[:, None]
         rope = self._rope_table()
         emb = self.policy.tok_embeddings(tokens)
-        h, taps = emb, []
+        h, delta, taps = emb, None, []
         for i, (layer, weights) in enumerate(zip(self.policy.layers.values(), self.block_weights)):
-            h = self.block(h, weights, rope, positions, rows, width, self.k_cache[i], self.v_cache[i],
-                           **self._block_shape, ffn=layer.moe if weights.gate_up is None else None)
-            if i in self.tap_layers:
-                taps.append(h)
+            previous_output, h, delta = self.block(h, delta, weights, rope, positions, rows, width, self.k_cache[i],
+                                                   self.v_cache[i], **self._block_shape,
+                                                   ffn=layer.moe if weights.gate_up is None else None)
+            if i - 1 in self.tap_layers:
+                taps.append(previous_output)
+        h = h + delta  # the last block's output
+        if len(self.policy.layers) - 1 in self.tap_layers:
+            taps.append(h)
         logits = self.policy.output(self.policy.norm(h))
         return logits, torch.cat(taps, dim=-1), emb
 
