@@ -181,8 +181,7 @@ def block_forward(stream, delta, weights: BlockWeights, rope, positions, rows, w
     block, where a compiled step fuses that add into the next block's first norm (an add at the
     block's end follows the MLP's GEMM in a kernel of its own). Returns (the stream this block
     received, i.e. the previous block's output; the stream after attention; the MLP's output)."""
-    h = stream if delta is None else stream + delta
-    entered = h
+    entered = h = stream if delta is None else stream + delta
     B, S, dim = h.shape
     x = F.rms_norm(h, (dim,), weights.attention_norm, eps)
     q, k, v = _project(x, weights.qkv, few_rows).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
