@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torchtitan.tools.utils import get_peak_flops
 
 from bench._common import REPO_ROOT, timed
@@ -120,7 +122,7 @@ def warm_started_job(cfg, dump_folder: str, saved: str | None = None) -> tuple[J
     job, draft_opt = new_job(cfg, dump_folder)
     path = saved and os.path.join(saved, WARM_START_FILE)
     if path and os.path.isfile(path):
-        load_warm_start(path, job, draft_opt)
+        load_warm_state(torch.load(path, map_location="cpu", weights_only=True), job, draft_opt)
         return job, draft_opt, 0.0
     seconds, _ = timed(lambda: warm_start(job, draft_opt), job.device)
     if path:
@@ -130,20 +132,25 @@ def warm_started_job(cfg, dump_folder: str, saved: str | None = None) -> tuple[J
 
 
 WARM_START_FILE = "warm_start.pt"
+# Whole tensors in host memory, whatever shards them: a job on one GPU is FSDP2-wrapped (DTensor
+# parameters over a mesh of one rank, parallelize.fsdp_wraps), and such modules refuse deepcopy.
+_HOST_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def warm_state(job: Job, draft_opt: DraftOptimizer) -> dict:
-    """What the RL phase starts from: the policy, the draft (its vocabulary included), the draft's optimizer
-    and the data streams."""
-    return {"policy": job.policy.state_dict(), "draft": job.draft.state_dict(),
-            "draft_optimizer": draft_opt.optimizer.state_dict(),
+    """What the RL phase starts from, in host memory: the policy, the draft (its vocabulary included), the
+    draft's optimizer and the data streams."""
+    return {"policy": get_model_state_dict(job.policy, options=_HOST_STATE),
+            "draft": get_model_state_dict(job.draft, options=_HOST_STATE),
+            "draft_optimizer": get_optimizer_state_dict(job.draft, draft_opt.optimizer, options=_HOST_STATE),
             "generators": {name: g.get_state() for name, g in job.generators.items()}}
 
 
-def load_warm_start(path: str, job: Job, draft_opt: DraftOptimizer) -> None:
-    state = torch.load(path, map_location=job.device, weights_only=True)
-    job.policy.load_state_dict(state["policy"])
-    job.draft.load_state_dict(state["draft"])
-    draft_opt.optimizer.load_state_dict(state["draft_optimizer"])
+def load_warm_state(state: dict, job: Job, draft_opt: DraftOptimizer) -> None:
+    """`state` (warm_state's) into a job of the same config, sharded as that job is."""
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(job.policy, state["policy"], options=options)
+    set_model_state_dict(job.draft, state["draft"], options=options)
+    set_optimizer_state_dict(job.draft, draft_opt.optimizer, state["draft_optimizer"], options=options)
     for name, g in job.generators.items():
         g.set_state(state["generators"][name].cpu())

@@ -43,9 +43,8 @@ import tempfile
 import torch
 
 from bench._common import alternate, environment, highest, profile_steps, write_json
-from bench._job import (PolicyFlops, add_job_arguments, add_step_arguments, job_config, resolve_preset, resolve_steps,
-                        warm_started_job)
-from titan_draft.plan import build_plan
+from bench._job import (PolicyFlops, add_job_arguments, add_step_arguments, job_config, load_warm_state, new_job,
+                        resolve_preset, resolve_steps, warm_started_job, warm_state)
 from titan_draft.train import RLState, rollouts_and_update, spec_metrics
 
 # The test's preset: the default job's config at the sizes of tests/test_rl_step.py.
@@ -83,41 +82,25 @@ def parse_args():
     return args
 
 
-def clone_generator(g: torch.Generator) -> torch.Generator:
-    """A generator on the same device in the same state (CPU or CUDA)."""
-    clone = torch.Generator(device=g.device)
-    clone.set_state(g.get_state())
-    return clone
-
-
-def mode_state(job, draft_opt, mode: str, device: torch.device | None = None) -> RLState:
-    """The RL state of [draft] mode `mode` on copies of the warm-started models, draft optimizer and
-    data streams (every mode starts RL from the same trained state and draws the same prompts); the
-    copies moved to `device` when given (the warm start held elsewhere)."""
-    cfg = copy.deepcopy(job.cfg)
+def mode_state(cfg, warm: dict, mode: str) -> RLState:
+    """The RL state of [draft] mode `mode`: a job of `cfg` built on the device as train.py builds one, holding
+    the warm start `warm` (bench._job.warm_state's), so that every mode starts RL from the same trained state
+    and draws the same prompts."""
+    cfg = copy.deepcopy(cfg)
     cfg.draft.mode = mode
-    policy, draft, optimizer = copy.deepcopy((job.policy, job.draft, draft_opt))  # the optimizer keeps its draft
-    if device is not None:
-        policy.to(device)
-        draft.to(device)
-        optimizer.optimizer.load_state_dict(optimizer.optimizer.state_dict())  # its state follows the params
-    generators = {name: clone_generator(g) for name, g in job.generators.items()}
-    return RLState.create(dataclasses.replace(job, cfg=cfg, plan=build_plan(cfg, 1), policy=policy, draft=draft,
-                                              generators=generators), optimizer)
+    job, draft_opt = new_job(cfg, tempfile.mkdtemp(prefix=f"rl_step_bench_{mode}_"))
+    load_warm_state(warm, job, draft_opt)
+    return RLState.create(job, draft_opt)
 
 
-def one_mode(job, draft_opt, mode: str, rounds: int, report, profile_path: str | None = None) -> list:
-    """`rounds` timed steps of one mode, the only training state on the device: the warm start waits in
-    host memory (moved there on first use), the mode's copy of it comes to the device, and is freed
-    after its steps (and after one more, profiled, when profile_path is given: appended there)."""
-    device = job.device
-    job.policy.to("cpu")
-    job.draft.to("cpu")
-    draft_opt.optimizer.load_state_dict(draft_opt.optimizer.state_dict())  # its state follows the params
-    state = mode_state(job, draft_opt, mode, device)
+def one_mode(cfg, warm: dict, mode: str, rounds: int, device, report, profile_path: str | None = None) -> list:
+    """`rounds` timed steps of one mode, the only training state on the device (the warm start waits in host
+    memory); freed after its steps (and after one more, profiled, when profile_path is given: appended there)."""
+    state = mode_state(cfg, warm, mode)
     steps = alternate({mode: step_of(state)}, rounds, device, report=report)[mode]
     if profile_path is not None:
         profile_steps({mode: step_of(state)}, device, profile_path, append=True)
+    state.job.metrics.close()
     del state
     gc.collect()
     if device.type == "cuda":
@@ -211,6 +194,12 @@ def main():
     rounds = a.skip + a.steps
     profile_path = os.path.splitext(a.out)[0] + ".profile.txt" if a.profile else None
     flops = PolicyFlops.of(job.policy, job.device)
+    device, params = job.device, sum(p.numel() for p in job.policy.parameters())
+    draft_params = sum(p.numel() for p in job.draft.parameters())
+    warm = warm_state(job, draft_opt)
+    job.metrics.close()
+    del job, draft_opt  # each mode builds its own job from `warm`
+    gc.collect()
 
     def report_of(timed: dict) -> dict:
         """The JSON report of the modes in `timed` (mode -> its (seconds, record) steps)."""
@@ -222,10 +211,10 @@ def main():
             speedups[f"rollout_none_over_{mode}"] = table["none"]["rollout_s"] / table[mode]["rollout_s"]
         return {"preset": a.preset, "config": a.config, "overrides": a.overrides, **environment(),
                 "policy": {"name": cfg.model.name, "flavor": cfg.model.flavor,
-                           "params": sum(p.numel() for p in job.policy.parameters()),
+                           "params": params,
                            "block_params": flops.block_params, "head_params": flops.head_params},
                 "peak_flops": flops.peak_flops,
-                "draft_params": sum(p.numel() for p in job.draft.parameters()),
+                "draft_params": draft_params,
                 "task": dataclasses.asdict(cfg.task), "rl": dataclasses.asdict(cfg.rl),
                 "draft": dataclasses.asdict(cfg.draft),
                 "rollout": dataclasses.asdict(cfg.rollout), "warm_start_s": warm_start_s, "skip": a.skip,
@@ -238,18 +227,20 @@ def main():
             open(profile_path, "w").close()  # each mode appends its tables after its timed steps
         timed = {}
         for mode in a.modes:
-            timed[mode] = one_mode(job, draft_opt, mode, rounds, progress, profile_path)
+            timed[mode] = one_mode(cfg, warm, mode, rounds, device, progress, profile_path)
             report = report_of(timed)
             write_json(a.out, report)  # after every mode: a run cut short keeps the modes it finished
     else:
-        states = {mode: mode_state(job, draft_opt, mode) for mode in a.modes}
-        report = report_of(alternate({mode: step_of(states[mode]) for mode in a.modes}, rounds, job.device,
+        states = {mode: mode_state(cfg, warm, mode) for mode in a.modes}
+        report = report_of(alternate({mode: step_of(states[mode]) for mode in a.modes}, rounds, device,
                                      report=progress))
         write_json(a.out, report)
     print_tables(a, cfg, report["table"], report["steps"], report["speedups"])
     if profile_path and not a.one_state:
-        profile_steps({mode: step_of(states[mode]) for mode in a.modes}, job.device, profile_path)
-    job.metrics.close()
+        profile_steps({mode: step_of(states[mode]) for mode in a.modes}, device, profile_path)
+    if not a.one_state:
+        for state in states.values():
+            state.job.metrics.close()
     print(f"wrote {a.out}")
 
 

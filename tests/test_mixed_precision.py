@@ -122,3 +122,55 @@ def test_one_process_bf16_job_checkpoints_resumes_and_exports(tmp_path):
     exported = load_file(tmp_path / "draft" / "model.safetensors")
     torch.testing.assert_close(exported["lm_head.weight"].float(), draft["lm_head.weight"], rtol=0, atol=0)
     torch.testing.assert_close(exported["fc.weight"].float(), draft["fc.weight"], rtol=0, atol=0)
+
+
+def bench_modes_from_a_bf16_warm_state(rank, world_size, dump_folder: str):
+    """bench.rl_step's start of a mode on the FSDP-wrapped one-process job a GPU builds: the warm-started
+    job's state in host memory (bench._job.warm_state), then a [draft] mode's own job holding it
+    (bench.rl_step.mode_state; such modules refuse deepcopy). Full tensors of both, and the mode's wrapping."""
+    sys.path.insert(0, ROOT)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    from bench._job import new_job, warm_state
+    from bench.rl_step import mode_state
+    from titan_draft.config import parse_config
+    from titan_draft.infra.io import full_state_dict
+    from titan_draft.parallel import parallelize
+    from titan_draft.rl.warmstart import draft_vocab_from_data
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    parallelize.compute_dtype = lambda param_dtype, device: TORCH_DTYPE_MAP[param_dtype]  # as on a GPU
+    cfg = parse_config([*JOB, "--draft.mode", "cotrain"])
+    job, draft_opt = new_job(cfg, dump_folder)
+    # A state the mode's fresh job cannot have by itself: a draft vocabulary, one optimizer step, drawn streams.
+    draft_vocab_from_data(job.task, job.draft, job.generators["data"])
+    sum(p.float().square().sum() for p in job.draft.parameters() if p.requires_grad).backward()
+    draft_opt.optimizer.step()
+    torch.rand(3, generator=job.generators["rollout"])
+    warm = warm_state(job, draft_opt)
+    cfg.debug.seed = 11  # the mode's job starts from other weights and streams
+    state = mode_state(cfg, warm, "frozen")
+    full = StateDictOptions(full_state_dict=True)
+    optimizer_states = [get_optimizer_state_dict(j.draft, o.optimizer, options=full)["state"]
+                        for j, o in ((job, draft_opt), (state.job, state.draft_opt))]
+    return dict(wrapped=isinstance(state.job.policy, FSDPModule), mode=state.cfg.draft.mode,
+                policy=[full_state_dict(j.policy, every_rank=True) for j in (job, state.job)],
+                draft=[full_state_dict(j.draft, every_rank=True) for j in (job, state.job)],
+                optimizer=optimizer_states,
+                generators=[{k: g.get_state() for k, g in j.generators.items()} for j in (job, state.job)])
+
+
+def test_bench_modes_start_from_the_warm_state_of_a_bf16_job(tmp_path):
+    (result,) = run_distributed(bench_modes_from_a_bf16_warm_state, 1, str(tmp_path), timeout=300)
+    assert result["wrapped"] and result["mode"] == "frozen"
+    for name in ("policy", "draft", "generators"):
+        warm, mode = result[name]
+        assert warm.keys() == mode.keys(), name
+        for key in warm:
+            torch.testing.assert_close(mode[key], warm[key], rtol=0, atol=0, msg=f"{name} {key}")
+    warm, mode = result["optimizer"]
+    assert warm.keys() == mode.keys() and warm
+    for key in warm:
+        for moment in warm[key]:
+            torch.testing.assert_close(mode[key][moment], warm[key][moment], rtol=0, atol=0)

@@ -57,7 +57,7 @@ def engine_with_few_row_kernels_equals_reference_ops() -> int:
     few_row.model._block_shape["few_rows"] = cached_model.MAX_ROWS  # CUDA's setting (on CPU: the interpreter's)
     for K, temperature in ((0, 1.0), (3, 0.0), (3, 1.0)):
         for call in range(2):
-            a, b = (engine.generate(variable_prompts([5, 3, 7], seed=8 + call), 20, num_speculative_tokens=K,
+            a, b = (engine.generate(variable_prompts([5, 3, 7], seed=8 + call), 10, num_speculative_tokens=K,
                                     temperature=temperature, eos_id=5, generator=torch.Generator().manual_seed(call))
                     for engine in (few_row, reference))
             assert torch.equal(a.tokens, b.tokens), (K, temperature, call)
