@@ -7,15 +7,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torchtitan.tools.utils import get_peak_flops
 
 from bench._common import REPO_ROOT, timed
 from titan_draft.config import parse_config, validate
 from titan_draft.data.tasks import Prompts
 from titan_draft.infra import _compat
-from titan_draft.infra.io import atomic_directory
+from titan_draft.infra.io import atomic_directory, full_state_dict
 from titan_draft.infra.metrics import MetricsLogger
 from titan_draft.job import Job, build_job, warm_start
 from titan_draft.models.cotrain import DraftOptimizer
@@ -132,17 +132,15 @@ def warm_started_job(cfg, dump_folder: str, saved: str | None = None) -> tuple[J
 
 
 WARM_START_FILE = "warm_start.pt"
-# Whole tensors in host memory, whatever shards them: a job on one GPU is FSDP2-wrapped (DTensor
-# parameters over a mesh of one rank, parallelize.fsdp_wraps), and such modules refuse deepcopy.
-_HOST_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def warm_state(job: Job, draft_opt: DraftOptimizer) -> dict:
-    """What the RL phase starts from, in host memory: the policy, the draft (its vocabulary included), the
-    draft's optimizer and the data streams."""
-    return {"policy": get_model_state_dict(job.policy, options=_HOST_STATE),
-            "draft": get_model_state_dict(job.draft, options=_HOST_STATE),
-            "draft_optimizer": get_optimizer_state_dict(job.draft, draft_opt.optimizer, options=_HOST_STATE),
+    """What the RL phase starts from, as whole tensors in host memory whatever shards them (a job on one GPU
+    is FSDP2-wrapped: DTensor parameters over a mesh of one rank, parallelize.fsdp_wraps): the policy, the
+    draft (its vocabulary included), the draft's optimizer and the data streams."""
+    host = StateDictOptions(full_state_dict=True, cpu_offload=True)  # as full_state_dict takes the models
+    return {"policy": full_state_dict(job.policy), "draft": full_state_dict(job.draft),
+            "draft_optimizer": get_optimizer_state_dict(job.draft, draft_opt.optimizer, options=host),
             "generators": {name: g.get_state() for name, g in job.generators.items()}}
 
 

@@ -69,9 +69,9 @@ def test_rl_step_bench_compares_the_draft_modes_from_one_state(tmp_path):
 
 
 def test_rl_step_bench_runs_a_subset_of_modes_one_state_at_a_time(tmp_path):
-    out = tmp_path / "rl_step.json"
+    out, warm = tmp_path / "rl_step.json", str(tmp_path / "warm")
     run_bench("bench.rl_step", "--preset", "tiny", "--modes", "frozen", "cotrain", "--one-state", "--profile",
-              "--out", str(out), "--", "--draft.train_fraction", "0.5")
+              "--warm-start", warm, "--out", str(out), "--", "--draft.train_fraction", "0.5")
     report = json.loads(out.read_text())
     assert tuple(report["table"]) == tuple(report["reward_per_step"]) == ("frozen", "cotrain")
     assert report["speedups"] == {}  # no none to compare with
@@ -80,6 +80,13 @@ def test_rl_step_bench_runs_a_subset_of_modes_one_state_at_a_time(tmp_path):
     assert report["reward_per_step"]["frozen"][0] == report["reward_per_step"]["cotrain"][0]
     profile = (tmp_path / "rl_step.profile.txt").read_text()  # each mode's tables, appended after its steps
     assert profile.index("## frozen: sorted by") < profile.index("## cotrain: sorted by")
+    # A later run of one mode from the saved warm start: loaded, not made again, and the same steps.
+    again = tmp_path / "again.json"
+    run_bench("bench.rl_step", "--preset", "tiny", "--modes", "frozen", "--warm-start", warm, "--out", str(again),
+              "--", "--draft.train_fraction", "0.5")
+    loaded = json.loads(again.read_text())
+    assert report["warm_start_s"] > 0 and loaded["warm_start_s"] == 0
+    assert loaded["reward_per_step"]["frozen"] == report["reward_per_step"]["frozen"]
 
 
 def test_rollout_speedup_bench_smoke(tmp_path):
@@ -281,10 +288,10 @@ def test_rl_step_bench_one_state_keeps_the_modes_a_cut_short_run_finished(tmp_pa
 
     finish_one_mode = rl_step.one_mode
 
-    def one_mode(job, draft_opt, mode, *args):
+    def one_mode(cfg, warm, mode, *args):
         if mode == "cotrain":
             raise KeyboardInterrupt("cut short")
-        return finish_one_mode(job, draft_opt, mode, *args)
+        return finish_one_mode(cfg, warm, mode, *args)
 
     out = tmp_path / "rl_step.json"
     monkeypatch.setattr(rl_step, "one_mode", one_mode)
