@@ -111,24 +111,28 @@ def new_job(cfg, dump_folder: str) -> tuple[Job, DraftOptimizer]:
     return job, DraftOptimizer(job.draft, cfg.draft)
 
 
-def warm_started_job(cfg, dump_folder: str, saved: str | None = None) -> tuple[Job, DraftOptimizer, float]:
-    """(job, draft optimizer, seconds of the warm start): the job's SFT and draft warm-up, logging to
-    `dump_folder`. The draft always warms up ([draft] mode none would skip it): the drivers compare
-    speculation on and off from one trained state.
+def warm_started_job(cfg, dump_folder: str, saved: str | None = None) -> tuple[Job, DraftOptimizer, float, dict | None]:
+    """(job, draft optimizer, seconds of the warm start, its warm_state or None): the job's SFT and draft
+    warm-up, logging to `dump_folder`. The draft always warms up ([draft] mode none would skip it): the
+    drivers compare speculation on and off from one trained state.
 
     saved: a folder holding a warm start of this config (loaded: 0 seconds) or where this one is written
-    (a GPU's minutes of SFT, reused by later runs)."""
+    (a GPU's minutes of SFT, reused by later runs). The host copy that was loaded or written is returned,
+    so that a caller who needs it does not gather the models again; None without a folder."""
     cfg.draft.mode = "cotrain"
     job, draft_opt = new_job(cfg, dump_folder)
     path = saved and os.path.join(saved, WARM_START_FILE)
     if path and os.path.isfile(path):
-        load_warm_state(torch.load(path, map_location="cpu", weights_only=True), job, draft_opt)
-        return job, draft_opt, 0.0
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        load_warm_state(state, job, draft_opt)
+        return job, draft_opt, 0.0, state
     seconds, _ = timed(lambda: warm_start(job, draft_opt), job.device)
+    state = None
     if path:
+        state = warm_state(job, draft_opt)
         with atomic_directory(saved) as folder:
-            torch.save(warm_state(job, draft_opt), os.path.join(folder, WARM_START_FILE))
-    return job, draft_opt, seconds
+            torch.save(state, os.path.join(folder, WARM_START_FILE))
+    return job, draft_opt, seconds, state
 
 
 WARM_START_FILE = "warm_start.pt"

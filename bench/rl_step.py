@@ -180,7 +180,7 @@ def print_tables(a, cfg, table: dict, records: dict, speedups: dict) -> None:
 def main():
     a = parse_args()
     cfg = job_config(a.config, a.overrides)
-    job, draft_opt, warm_start_s = warm_started_job(cfg, tempfile.mkdtemp(prefix="rl_step_bench_"), a.warm_start)
+    job, draft_opt, warm_start_s, warm = warm_started_job(cfg, tempfile.mkdtemp(prefix="rl_step_bench_"), a.warm_start)
     print(f"warm start (SFT, draft warm-up): {warm_start_s:.1f} s ({cfg.model.flavor} policy, task "
           f"{cfg.task.name}, {job.device})", flush=True)
 
@@ -196,7 +196,7 @@ def main():
     flops = PolicyFlops.of(job.policy, job.device)
     device, params = job.device, sum(p.numel() for p in job.policy.parameters())
     draft_params = sum(p.numel() for p in job.draft.parameters())
-    warm = warm_state(job, draft_opt)
+    warm = warm if warm is not None else warm_state(job, draft_opt)
     job.metrics.close()
     del job, draft_opt  # each mode builds its own job from `warm`
     gc.collect()

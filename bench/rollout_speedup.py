@@ -174,7 +174,7 @@ def print_row(row: dict, k_max: int) -> None:
 def main():
     a = parse_args()
     cfg = job_config(a.config, a.overrides)
-    job, _, warm_start_s = warm_started_job(cfg, tempfile.mkdtemp(prefix="rollout_bench_"), a.warm_start)
+    job, _, warm_start_s, _ = warm_started_job(cfg, tempfile.mkdtemp(prefix="rollout_bench_"), a.warm_start)
     device, k_max = job.device, cfg.rollout.num_speculative_tokens
     engine = RolloutEngine(job.policy.model_args, job.draft.args, job.spec.tap_layers, max(a.batch_sizes),
                            cfg.training.seq_len, device, compute_dtype(cfg.training.mixed_precision_param, device),
