@@ -594,6 +594,61 @@ def test_adaptive_first_call_measures_every_step_shape_without_changing_the_samp
     assert outs[0].steps_per_k.tolist() == outs[1].steps_per_k.tolist()
 
 
+def test_measurement_uses_every_step_shape_the_call_uses_where_steps_read_live_slots():
+    """Where decode steps read each row's live slots (CUDA's decode kernel; forced here on CPU, where
+    the reference attention then reads all slots), every step and flush key of an adaptive call
+    (which CUDA captures as a graph) was already used by the call's measurement, so none is
+    captured in the middle of the rollouts; and the samples equal those of the narrowest widths."""
+    policy, draft, engine = make()
+    prompts = variable_prompts([5, 3, 7], seed=9)
+    want = engine.generate(prompts, 30, num_speculative_tokens=3, adaptive=True, temperature=0, eos_id=NEVER)
+    engine = engine_for(policy, draft, 4)
+    engine.steps_read_live_slots = True
+    engine.reserve(3, 7 + 30 + engine.max_k + 1)
+    engine.measure_steps(3, 3, 0.0, 1.0, 7)
+    engine._measured.add((3, 3, 0.0, 1.0))  # the call below measures no more
+    measured = set(engine.graphs.uses)
+    assert {key.width for key in measured if isinstance(key, StepShape)} == {engine.slots}
+    got = engine.generate(prompts, 30, num_speculative_tokens=3, adaptive=True, temperature=0, eos_id=NEVER)
+    used = {key for key in engine.graphs.uses if key not in measured or engine.graphs.uses[key] > 1}
+    steps = {key for key in used if isinstance(key, StepShape) or key[0] == "flush"}
+    assert steps and steps <= measured, steps - measured
+    assert torch.equal(got.tokens, want.tokens)
+
+
+def test_draft_weights_are_copied_by_the_first_call_that_drafts():
+    """load_weights leaves the draft's copy (after the first) for the next call that drafts: a call
+    that runs as plain decoding keeps the old draft weights and reports no draft weight time; the
+    next drafting call copies them (draft_weights_s > 0) and samples as an engine loaded at once."""
+    policy, draft, engine = make()
+    prompts = variable_prompts([4, 6, 5], seed=11)
+    old = {k: v.clone() for k, v in engine.model.draft.state_dict().items()}
+    trained = EagleDraft(draft.args)
+    trained.init_weights()
+    trained.set_vocab(draft.target_ids().cpu())
+    trained.double().to(DEVICE)
+    engine.load_weights(policy, trained)
+    assert all(torch.equal(v, old[k]) for k, v in engine.model.draft.state_dict().items())  # not yet
+    plain = engine.generate(prompts, 12, num_speculative_tokens=0, temperature=0, eos_id=NEVER)
+    assert plain.timing["draft_weights_s"] == 0.0
+    assert all(torch.equal(v, old[k]) for k, v in engine.model.draft.state_dict().items())
+    out = engine.generate(prompts, 12, num_speculative_tokens=3, temperature=0, eos_id=NEVER)
+    assert out.timing["draft_weights_s"] > 0 and engine.draft_refresh_s == out.timing["draft_weights_s"]
+    assert all(torch.equal(v, trained.state_dict()[k]) for k, v in engine.model.draft.state_dict().items())
+    reference = engine_for(policy, trained, 4)
+    again = reference.generate(prompts, 12, num_speculative_tokens=3, temperature=0, eos_id=NEVER)
+    assert torch.equal(out.tokens, again.tokens) and out.num_accepted_tokens == again.num_accepted_tokens
+    # Reading `draft` brings a pending copy in; the weight time of a drafting call counts in would_draft.
+    engine.load_weights(policy, draft)
+    assert all(torch.equal(v, draft.state_dict()[k]) for k, v in engine.draft.state_dict().items())
+    engine.load_weights(policy, trained)
+    seen = []
+    engine.controller.would_draft = lambda buckets, max_k, overhead_s=0.0: seen.append(overhead_s) or False
+    engine.draft_refresh_s = 5.0
+    engine.generate(prompts, 12, num_speculative_tokens=3, adaptive=True, temperature=0, eos_id=NEVER)
+    assert seen == [pytest.approx(5.0 + engine.draft_prefill_s_per_token * 3 * 6)]  # 3 prompts, longest 6
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs")
 @pytest.mark.parametrize("K, temperature", [(0, 1.0), (3, 0.0), (3, 1.0)])
 def test_cuda_graph_steps_equal_eager_steps(K, temperature):
@@ -755,10 +810,12 @@ def _load_sharded_worker(rank, world_size):
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="gloo ranks on CPU")
-def test_load_weights_from_fsdp_sharded_modules():
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_load_weights_from_fsdp_sharded_modules(world_size):
+    """Over two ranks the shards are gathered; on one rank the local tensors are whole (no gather)."""
     from distributed import run_distributed
 
-    assert run_distributed(_load_sharded_worker, 2, timeout=150) == [(True, True), (True, True)]
+    assert run_distributed(_load_sharded_worker, world_size, timeout=150) == [(True, True)] * world_size
 
 
 def test_compiled_step_functions_keep_a_graph_per_shape_past_the_default_limit():

@@ -118,10 +118,11 @@ def collect_rollouts(s: RLState) -> Rollouts:
         "tokens_per_verify_forward": result.acceptance_length,  # docs/DESIGN.md 4.3
         "rollout_tokens_per_s": result.tokens_per_s,
         "rollout_time_s": time.perf_counter() - t0,
-        # Where the rollout time went: the weight refresh, adaptive K's step measurement (the first
+        # Where the rollout time went: the weight refresh (the draft's inside generate, where a call
+        # drafts: RolloutEngine.load_weights), adaptive K's step measurement (the first
         # call only), the prompts, the decode loop (the last three timed between device syncs), how
         # many engine calls ran without a CUDA graph replay, and the seconds of those that captured one.
-        "rollout_weights_s": weights_s,
+        "rollout_weights_s": weights_s + result.timing["draft_weights_s"],
         "rollout_measure_s": result.timing["measure_s"],
         "rollout_prefill_s": result.timing["prefill_s"],
         "rollout_decode_s": result.timing["decode_s"],

@@ -48,21 +48,24 @@ drafts 0..K with the most expected tokens per second at the current bucket, from
 rates per draft position and measured step times per (bucket, K). A K = 0 step runs no draft: it
 stages its taps, and the draft's trunk takes the staged anchors in one pass-1 call before the next
 drafting step (or when max_k + 1 are staged). Any K, at any step, is lossless. A call whose
-expected saving does not beat the draft's prefill over its prompts (`GoodputController.would_draft`)
-runs as plain decoding: no draft prefill, no staged taps, so speculation that does not pay costs a
-call nothing beyond the draft's weight refresh.
+expected saving does not beat what drafting adds outside the steps, the draft's prefill over its
+prompts and its pending weight copy (`GoodputController.would_draft`), runs as plain decoding: no
+draft prefill, no staged taps, no draft weight copy (load_weights leaves it for the next call that
+drafts), so speculation that does not pay costs a call nothing.
 
 Speed: one decode step (draft K tokens, verify, accept, roll back, extend the draft's trunk) is a
 single function of static-shape tensors that live in engine buffers, with no host
-synchronisation inside. On CUDA it is captured once per `StepShape` (bucket, K, cache width,
-temperature, top-p, ...) into a CUDA graph and replayed (graphs.py); elsewhere it runs eagerly.
+synchronisation inside. On CUDA it is captured once per `StepShape` (bucket, K, temperature,
+top-p, ...; the cache width is all slots there: `_step_width`) into a CUDA graph and replayed
+(graphs.py); elsewhere it runs eagerly.
 Both run the same code. The loop reads one small status vector per step (`StepStatus`: running
 rows, the longest row, staged steps, counters). Attention reads only the live part of the caches:
 each row's slots on CUDA (ops/decode_attention.py), the first `cache_width` slots elsewhere and in
 prefill (cached_model.py); on CUDA the policy's blocks are compiled (`EngineOptions.compile`).
 Sampling and acceptance start from the logits: float32 work over the target vocabulary is one
-position per row (sampling.py). Adaptive K times every step shape of a new batch size once,
-before that call's prefill (`measure_steps`), so rollouts do not explore (docs/DESIGN.md 4.4).
+position per row (sampling.py). Adaptive K captures and times every step shape of a new batch
+size once, before that call's prefill (`measure_steps`), so rollouts neither explore nor capture
+(docs/DESIGN.md 4.4).
 """
 import time
 from contextlib import nullcontext
@@ -75,12 +78,13 @@ from torch import nn
 
 from titan_draft.infra.timing import DeviceTimer, timed
 from titan_draft.models.draft import DraftArgs
-from titan_draft.rollout.cached_model import CachedModels, cache_width, compile_for_decoding
+from titan_draft.rollout.cached_model import (DECODE_KERNEL_MAX_QUERIES, CachedModels, cache_width,
+                                              compile_for_decoding)
 from titan_draft.rollout.goodput import GoodputController
 from titan_draft.rollout.graphs import StepGraphs
 from titan_draft.rollout.sampling import (AcceptRule, RowNoise, accept_drawn, check_sampling_args, log_normalisers,
                                           sample_from_logits, speculative_accept_from_logits)
-from titan_draft.rollout.weights import copy_weights
+from titan_draft.rollout.weights import copy_weights, weights_need_collective
 
 # Counters at the head of the engine's status vector: StepStatus's scalar fields.
 STATUS_COUNTS = 5
@@ -128,8 +132,9 @@ class RolloutResult:
     0 without CUDA graphs."""
     timing: dict = field(default_factory=dict)
     """Seconds in measure_s (adaptive K's first call at a batch size: every step shape captured and
-    timed), prefill_s (prompt forward, first token, draft trunk) and decode_s (the steps); capture_s:
-    the part of the last two in calls that captured a CUDA graph (StepGraphs.capture_s)."""
+    timed), draft_weights_s (the draft's weight copy load_weights left for a drafting call; 0 where
+    none ran), prefill_s (prompt forward, first token, draft trunk) and decode_s (the steps);
+    capture_s: the part of the last two in calls that captured a CUDA graph (StepGraphs.capture_s)."""
     tokens_per_s: float = 0.0
     """Generated tokens (all rows) per second of wall time of generate()."""
 
@@ -179,7 +184,8 @@ class StepShape:
     stage: bool
     """A K = 0 step keeps its taps for the draft's trunk (adaptive K)."""
     width: int
-    """Cache slots its attention may read (cached_model.cache_width): the decode kernel's chunk count."""
+    """Cache slots its attention may read (RolloutEngine._step_width): on CUDA all of them, the decode
+    kernel's chunk count."""
 
 
 @dataclass(frozen=True)
@@ -233,6 +239,8 @@ class RolloutEngine:
         self.model = CachedModels(policy_args, draft_args, tap_layers, self.max_slots, self.device, dtype,
                                   compile=compile, few_row_linear=options.few_row_linear)
         self._target_ids = None  # the draft's vocabulary as target ids (load_weights)
+        self._draft_source = None  # the draft module load_weights was given, while not yet copied
+        self.draft_refresh_s = 0.0  # seconds of the last draft weight copy (_refresh_draft)
 
         # What the loop reads once per step (StepStatus), and its fields as views the steps write.
         self._status = torch.zeros(STATUS_COUNTS + 2 * self.max_k, dtype=torch.long, device=self.device)
@@ -245,6 +253,10 @@ class RolloutEngine:
         self._measured: set[tuple] = set()  # (rows, K, temperature, top_p) of adaptive calls measured
         self.draft_prefill_s_per_token = 0.0  # the draft's trunk over prompts (_measure_call)
         self.buffer_rows = self.slots = 0  # the state buffers' rows and cache slots (none yet)
+        # Decode steps and flushes (at most max_k + 1 queries per row) attend through the decode
+        # kernel, which reads each row's live slots only (cached_model._attend): see _step_width.
+        self.steps_read_live_slots = (self.device.type == "cuda"
+                                      and self.max_k + 1 <= DECODE_KERNEL_MAX_QUERIES)
 
         self._draft_extend, self._draft_pass = self.model.draft_extend, self.model.draft_pass
         self._accept_rule = accept_drawn
@@ -253,9 +265,16 @@ class RolloutEngine:
             self._accept_rule = compiled_accept_rule()
 
     # The cached models' modules and KV caches, by the names callers read.
-    policy, draft = property(attrgetter("model.policy")), property(attrgetter("model.draft"))
+    policy = property(attrgetter("model.policy"))
     k_cache, v_cache = property(attrgetter("model.k_cache")), property(attrgetter("model.v_cache"))
     draft_k, draft_v = property(attrgetter("model.draft_k")), property(attrgetter("model.draft_v"))
+
+    @property
+    def draft(self) -> nn.Module | None:
+        """The engine's draft (None without draft_args), holding the weights of the last `load_weights`
+        (reading it brings in a refresh that load_weights left for the next drafting call)."""
+        self._refresh_draft()
+        return self.model.draft
 
     @property
     def cuda_graphs(self) -> bool:
@@ -271,10 +290,10 @@ class RolloutEngine:
         buffers' addresses, go with them (release_caches).
         Kept across new buffers: the graphs' use counts (StepGraphs), `_measured` and the
         controller's costs. The costs, seconds per (bucket, K) step, stay valid: a step's work
-        depends on its rows, K and the width its attention reads, not on where the buffers live,
-        and that width follows the longest row (the smallest halving of the slots that holds it:
-        under twice its length for any slot count, but at the narrowest level); the running mean
-        follows what differs."""
+        depends on its rows, K and the slots its attention reads, not on where the buffers live
+        (on CUDA each row's live slots; elsewhere the smallest halving of the slots that holds the
+        longest row: under twice its length for any slot count, but at the narrowest level); the
+        running mean follows what differs."""
         if rows <= self.buffer_rows and slots <= self.slots:
             return
         rows = max(rows, self.buffer_rows)
@@ -288,8 +307,8 @@ class RolloutEngine:
         self._limit = zeros(rows, dtype=torch.long)  # prompt + max_new_tokens
         self._done = zeros(rows, dtype=torch.bool)
         self._row_of_slot = zeros(rows, dtype=torch.long)
-        if self.draft is not None:
-            args = self.draft.args
+        if self.model.draft is not None:
+            args = self.model.draft.args
             self._hidden = zeros(rows, args.dim, dtype=self.dtype)
             # Taps of up to max_k + 1 K = 0 steps, put into the draft's trunk before the next draft.
             self._staged_taps = zeros(rows, self.max_k + 1, args.n_taps * args.dim, dtype=self.dtype)
@@ -316,7 +335,7 @@ class RolloutEngine:
         if not self.buffer_rows:
             return []
         buffers = [*self.model.caches(), self._tokens, self._lengths, self._limit, self._done, self._row_of_slot]
-        if self.draft is not None:
+        if self.model.draft is not None:
             buffers += [self._hidden, self._staged_taps]
         return buffers
 
@@ -324,17 +343,34 @@ class RolloutEngine:
     @torch.no_grad()
     def load_weights(self, policy: nn.Module, draft: nn.Module | None = None) -> None:
         """Refresh the inference copies from trained modules (plain, FSDP2/DTensor-sharded,
-        activation-checkpointed or compiled)."""
+        activation-checkpointed or compiled).
+
+        The draft's copy waits for the next call that drafts (or a read of `draft`): a call that
+        adaptive K runs as plain decoding (GoodputController.would_draft) does not pay for it. It is
+        made at once where it is a collective (a draft sharded over several ranks, whose calls
+        need not all draft) and at the first load (the captured steps read its target ids). So
+        `draft` must keep these weights until the next generate: the job trains it after."""
         copy_weights(policy, self.policy, "policy")
-        if draft is not None:
-            if self.draft is None:
-                raise ValueError("load_weights: a draft was given but the engine was built without "
-                                 "draft_args; build it with the draft's args")
-            copy_weights(draft, self.draft, "draft")
-            if self._target_ids is None:
-                self._target_ids = self.draft.target_ids()
-            else:  # in place: captured steps read it
-                self._target_ids.copy_(self.draft.target_ids())
+        if draft is None:
+            return
+        if self.model.draft is None:
+            raise ValueError("load_weights: a draft was given but the engine was built without "
+                             "draft_args; build it with the draft's args")
+        self._draft_source = draft
+        if self._target_ids is None or weights_need_collective(draft):
+            self._refresh_draft()
+
+    def _refresh_draft(self) -> None:
+        """The pending draft weights of load_weights into the engine's draft; `draft_refresh_s` is the
+        seconds the last one took (between device syncs), what would_draft weighs it at."""
+        if self._draft_source is None:
+            return
+        source, self._draft_source = self._draft_source, None
+        self.draft_refresh_s, _ = timed(lambda: copy_weights(source, self.model.draft, "draft"), self.device)
+        if self._target_ids is None:
+            self._target_ids = self.model.draft.target_ids()
+        else:  # in place: captured steps read it
+            self._target_ids.copy_(self.model.draft.target_ids())
 
     # --- the cached forwards, on buffers that hold their rows ----------------------------------------
     def policy_forward(self, tokens: torch.Tensor, positions: torch.Tensor, width: int | None = None):
@@ -368,7 +404,7 @@ class RolloutEngine:
             if k > 1:
                 emb = self.policy.tok_embeddings(self._target_ids[ids[-1]])
                 hidden = self._draft_pass(k, emb, hidden, anchor, width)
-            logits.append(self.draft.logits(hidden))
+            logits.append(self.model.draft.logits(hidden))
             ids.append(sample_from_logits(logits[-1], temperature, top_p, noise))
         return torch.stack(ids, 1), torch.stack(logits, 1)
 
@@ -404,7 +440,7 @@ class RolloutEngine:
         if K < 0 or K > self.max_k:
             raise ValueError(f"num_speculative_tokens: {K} must be in 0..{self.max_k} "
                              "(max_speculative_tokens; 0 = no speculation)")
-        if K > 0 and self.draft is None:
+        if K > 0 and self.model.draft is None:
             raise ValueError("num_speculative_tokens: speculation needs a draft, but the engine has none; "
                              "pass draft_args when building it, or use 0")
         if K > 0 and self._target_ids is None:
@@ -496,6 +532,19 @@ class RolloutEngine:
         self._hidden[:B] = self._draft_extend(next_emb, self._staged_taps[:B], start, staged.expand(B), width)
         staged.zero_()
 
+    def _step_width(self, longest: int) -> int:
+        """The cache width of a decode step or flush while the longest row holds `longest` tokens.
+        Every slot such a call writes or reads lies below longest + max_k (the verify window, the
+        draft's branch and trunk slots). Where attention reads each row's live slots only (the
+        decode kernel: `steps_read_live_slots`), the width only sets the kernel's chunk count, and
+        every step takes all slots: one step shape per (bucket, K), all captured by measure_steps
+        (a width per halving multiplied them by up to CACHE_WIDTH_LEVELS, and the widths a call
+        grew into were captured in the middle of its rollouts). Elsewhere attention reads the first
+        `width` slots: the narrowest level that holds the longest row's window."""
+        if self.steps_read_live_slots:
+            return self.slots
+        return cache_width(self.slots, longest + self.max_k)
+
     def _bucket(self, running: int, B: int) -> int:
         """Slots to run `running` rows in: the smallest power of two that holds them (at least
         min_bucket, at most B), so that at most half the slots idle, and a call compacts (and
@@ -512,11 +561,13 @@ class RolloutEngine:
         `length` tokens, each active-row bucket with k = 0..K drafts: {(bucket, k): median seconds
         of `repeats` replays}, also given to the controller, so that adaptive K starts from
         measured costs (exploring inside rollouts instead ran each new shape eagerly, then captured
-        it, at tens of ms apiece on the H200, against ~1 ms per replayed step).
+        it, at tens of ms apiece on the H200, against ~1 ms per replayed step). On CUDA these are
+        all the step shapes and flushes of the call (their width is all slots: _step_width); elsewhere
+        they are timed at the prompts' width.
         Runs on a dummy state (every row finishes at its first step, so no slot past length + K is
         written), before a call's prefill and before the call seeds its generator: the call's
         tokens do not depend on it. The state buffers must hold B0 rows of length + max_k + 1 slots."""
-        width = cache_width(self.slots, length + self.max_k)
+        width = self._step_width(length)
         costs = {}
         self._tokens[:B0].zero_()
         self._lengths[:B0] = length
@@ -598,9 +649,15 @@ class RolloutEngine:
         drafts = K  # the call's most drafts per step: 0 runs plain decoding (no draft prefill, no taps kept)
         if adaptive:
             self.controller.new_call()
-            draft_prefill_s = self.draft_prefill_s_per_token * B * P
-            if not self.controller.would_draft(self._buckets(B), K, overhead_s=draft_prefill_s):
+            # What drafting adds outside the steps: the draft's prefill and, if pending, its weight copy.
+            overhead_s = self.draft_prefill_s_per_token * B * P
+            overhead_s += self.draft_refresh_s if self._draft_source is not None else 0.0
+            if not self.controller.would_draft(self._buckets(B), K, overhead_s=overhead_s):
                 drafts = 0
+        timing["draft_weights_s"] = 0.0
+        if drafts and self._draft_source is not None:
+            self._refresh_draft()
+            timing["draft_weights_s"] = self.draft_refresh_s
         self.graphs.unreplayed, self.graphs.capture_s = 0, 0.0
         self._rng.manual_seed(int(torch.randint(2**62, (), generator=generator, device=seed_device)))
 
@@ -668,9 +725,7 @@ class RolloutEngine:
                 self._compact(B, bucket)
                 B = bucket
             k = self.controller.choose(B, drafts) if adaptive else drafts
-            # Every slot this step (or a flush) writes or reads lies below the longest row's length
-            # + max_k: the verify window, the draft's branch and trunk slots.
-            width = cache_width(self.slots, status.longest + self.max_k)
+            width = self._step_width(status.longest)
             shape = StepShape(B0, B, k, temperature, top_p, stage=adaptive and not k, width=width)
             # Only adaptive K reads step times; a flush is timed with the step it precedes: part of
             # the cost of drafting again.

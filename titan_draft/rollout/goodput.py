@@ -18,9 +18,9 @@ class GoodputController:
     before any K is judged. A bucket keeps its last K unless another promises `switch_gain` more
     tokens per second: measurement noise does not flip K (each new step shape costs a capture).
 
-    Per call, speculation also costs the draft's prefill over the prompts: `would_draft` weighs it
-    against the decode seconds a drafting call saves (`call_saving`), from the plain-decoding steps
-    that calls need per bucket (`observe_call`, a running mean over calls).
+    Per call, speculation also costs the draft's prefill over the prompts and its weight copy:
+    `would_draft` weighs them against the decode seconds a drafting call saves (`call_saving`), from
+    the plain-decoding steps that calls need per bucket (`observe_call`, a running mean over calls).
     """
 
     def __init__(self, max_k: int, *, decay: float = 0.5, prior_steps: float = 1.0, cost_weight: float = 0.25,
@@ -93,8 +93,9 @@ class GoodputController:
     def would_draft(self, buckets, max_k: int, overhead_s: float = 0.0) -> bool:
         """Whether a call over these buckets should draft: while a K is unmeasured; before any call
         was observed, where some bucket's best K > 0; after, where the call's expected saving
-        exceeds `overhead_s`, what drafting adds outside the steps (the draft's prefill). A call
-        that should not runs as plain decoding, without the draft's prefill and staged taps.
+        exceeds `overhead_s`, what drafting adds outside the steps (the draft's prefill and weight
+        copy). A call that should not runs as plain decoding, without the draft's prefill, staged
+        taps and weight copy.
         Acceptance counts decay towards the prior's full acceptance (`new_call`), so such calls
         draft again after a while and measure acceptance afresh."""
         saving = self.call_saving(buckets, max_k)

@@ -16,9 +16,22 @@ def unwrapped_name(name: str) -> str:
     return name
 
 
+def _spans_ranks(tensor) -> bool:
+    """Whether tensor is a DTensor over a mesh of several ranks (gathering it is a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor) and tensor.device_mesh.size() > 1
+
+
+def weights_need_collective(module: nn.Module) -> bool:
+    """Whether copy_weights(module, ...) is a collective: some tensor is sharded over several ranks."""
+    return any(_spans_ranks(tensor) for tensor in module.state_dict().values())
+
+
 def copy_weights(src: nn.Module, dst: nn.Module, what: str) -> None:
     """dst <- src by parameter name; sharded (DTensor) tensors are gathered (a collective: call on
-    every rank of the mesh)."""
+    every rank of the mesh). On a mesh of one rank the local tensor is the whole one: no gather
+    (full_tensor per parameter cost ~7 ms per refresh of a 24M policy on an H100)."""
     from torch.distributed.tensor import DTensor
 
     dst_state = dst.state_dict()
@@ -29,7 +42,7 @@ def copy_weights(src: nn.Module, dst: nn.Module, what: str) -> None:
             raise ValueError(f"load_weights: {what} has '{name}', which the engine's {what} lacks; "
                              f"build the engine with the same model args as the trained {what}")
         if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
+            tensor = tensor.full_tensor() if _spans_ranks(tensor) else tensor.to_local()
         if tensor.shape != dst_state[name].shape:
             raise ValueError(f"load_weights: {what} '{name}' is {tuple(tensor.shape)} but the engine's is "
                              f"{tuple(dst_state[name].shape)}; build the engine with the trained {what}'s args")
