@@ -58,7 +58,7 @@ class ScheduledK:
     def would_draft(self, buckets, max_k, overhead_s=0.0):
         return True  # every call keeps the draft current; the schedule alone picks each step's K
 
-    def observe_call(self, plain_steps):
+    def observe_call(self, plain_steps, *, drafted=None, seconds=0.0):
         pass
 
     def choose(self, bucket, max_k):
@@ -540,6 +540,30 @@ def test_controller_drafts_a_call_only_when_its_saving_beats_the_draft_prefill()
     assert controller.call_saving([8, 16], 1) is None and controller.would_draft([8, 16], 1, 11.0)  # 16 unmeasured
     controller.observe_call({16: 4.0})  # running means: the 8-row bucket's steps fall by cost_weight
     assert controller.plain_steps == pytest.approx({8: 22.5, 16: 4.0})
+
+
+def test_controller_judges_calls_by_their_own_times():
+    """A call's ratio is its seconds over its work at the plain step cost: 30 plain steps of 1 s in a
+    call that took 36 s (drafting) gives 1.2, one of 27 s (plain) 0.9. After the first drafting
+    call comes a plain one, whatever the model says; then the lower ratio decides (here plain,
+    although the model expects drafting to save 10 s), and the other kind runs again after
+    explore_every calls without it."""
+    controller = GoodputController(1, explore_every=3)
+    controller.observe_acceptance([799], [999])
+    controller.observe_cost(8, 0, 1.0)
+    controller.observe_cost(8, 1, 1.2)
+    controller.observe_call({8: 30.0})
+    assert controller.would_draft([8], 1)  # the model: a 10 s saving
+    controller.observe_call({8: 30.0}, drafted=True, seconds=36.0)
+    assert controller.call_ratio == {True: pytest.approx(1.2)}
+    assert not controller.would_draft([8], 1)  # a plain call, to compare
+    controller.observe_call({8: 30.0}, drafted=False, seconds=27.0)
+    assert controller.call_ratio == {True: pytest.approx(1.2), False: pytest.approx(0.9)}
+    assert [controller.would_draft([8], 1) for _ in range(6)] == [False, False, True, False, False, False]
+    controller.observe_call({8: 30.0}, drafted=True, seconds=12.0)  # ratio 0.4: 1.2 + 0.25 x (0.4 - 1.2) = 1.0
+    assert controller.call_ratio[True] == pytest.approx(1.0)
+    controller.observe_call({8: 30.0}, drafted=True, seconds=12.0)  # 0.85 < 0.9: drafting wins
+    assert [controller.would_draft([8], 1) for _ in range(5)] == [True, True, True, False, True]
 
 
 def test_adaptive_generation_follows_the_cost_table():

@@ -51,7 +51,9 @@ drafting step (or when max_k + 1 are staged). Any K, at any step, is lossless. A
 expected saving does not beat what drafting adds outside the steps, the draft's prefill over its
 prompts and its pending weight copy (`GoodputController.would_draft`), runs as plain decoding: no
 draft prefill, no staged taps, no draft weight copy (load_weights leaves it for the next call that
-drafts), so speculation that does not pay costs a call nothing.
+drafts), so speculation that does not pay costs a call nothing. Calls are also judged by their own
+times (seconds over their work at the plain step costs, drafting calls and plain ones apart): once
+both kinds are timed, the cheaper decides and the other is retried every few calls.
 
 Speed: one decode step (draft K tokens, verify, accept, roll back, extend the draft's trunk) is a
 single function of static-shape tensors that live in engine buffers, with no host
@@ -650,8 +652,8 @@ class RolloutEngine:
         if adaptive:
             self.controller.new_call()
             # What drafting adds outside the steps: the draft's prefill and, if pending, its weight copy.
-            overhead_s = self.draft_prefill_s_per_token * B * P
-            overhead_s += self.draft_refresh_s if self._draft_source is not None else 0.0
+            draft_prefill_s = self.draft_prefill_s_per_token * B * P
+            overhead_s = draft_prefill_s + (self.draft_refresh_s if self._draft_source is not None else 0.0)
             if not self.controller.would_draft(self._buckets(B), K, overhead_s=overhead_s):
                 drafts = 0
         timing["draft_weights_s"] = 0.0
@@ -665,8 +667,9 @@ class RolloutEngine:
                                                         temperature, top_p), self.device)
         timing["decode_s"], (steps_per_k, out_tokens, out_lengths, status, plain_steps) = timed(
             lambda: self._decode(B, K, drafts, adaptive and drafts > 0, temperature, top_p, total), self.device)
-        if adaptive:
-            self.controller.observe_call(plain_steps)
+        if adaptive:  # the call's seconds beyond the policy's prefill, which both kinds of call pay
+            extra_s = draft_prefill_s + timing["draft_weights_s"] if drafts else 0.0
+            self.controller.observe_call(plain_steps, drafted=drafts > 0, seconds=timing["decode_s"] + extra_s)
         timing["capture_s"] = self.graphs.capture_s
 
         verify_rows, emitted = status.verify_rows, status.emitted

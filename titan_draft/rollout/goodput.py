@@ -21,12 +21,18 @@ class GoodputController:
     Per call, speculation also costs the draft's prefill over the prompts and its weight copy:
     `would_draft` weighs them against the decode seconds a drafting call saves (`call_saving`), from
     the plain-decoding steps that calls need per bucket (`observe_call`, a running mean over calls).
+    That model leaves out what no step time shows (host gaps between steps, flushes charged to
+    other steps), so calls are judged by their own times too: a call's seconds over the seconds
+    its work would take at the measured plain step costs (`call_ratio`, per kind: drafting or
+    not). Once both kinds have a ratio, the lower decides, and the other kind runs again every
+    `explore_every` calls, as the draft and the answers change; the first call that drafts is
+    followed by one that does not, so that a drafting call is never judged by the model alone.
     """
 
     def __init__(self, max_k: int, *, decay: float = 0.5, prior_steps: float = 1.0, cost_weight: float = 0.25,
-                 switch_gain: float = 0.05):
+                 switch_gain: float = 0.05, explore_every: int = 8):
         self.max_k, self.decay, self.prior_steps, self.cost_weight = max_k, decay, prior_steps, cost_weight
-        self.switch_gain = switch_gain
+        self.switch_gain, self.explore_every = switch_gain, explore_every
         self.last: dict[int, int] = {}
         """bucket -> the K chosen last."""
         self.accepted = [0.0] * max_k
@@ -35,6 +41,10 @@ class GoodputController:
         """(bucket, K) -> seconds per step."""
         self.plain_steps: dict[int, float] = {}
         """bucket -> the steps plain decoding needs there in a call (running mean over calls)."""
+        self.call_ratio: dict[bool, float] = {}
+        """drafted -> a call's seconds over its work's seconds at the plain step costs (running mean)."""
+        self.calls_since: dict[bool, int] = {True: 0, False: 0}
+        """drafted -> calls since the last call of that kind."""
 
     def new_call(self) -> None:
         self.accepted = [self.decay * a for a in self.accepted]
@@ -50,12 +60,20 @@ class GoodputController:
         old = self.cost.get((bucket, K))
         self.cost[bucket, K] = seconds if old is None else old + self.cost_weight * (seconds - old)
 
-    def observe_call(self, plain_steps: dict[int, float]) -> None:
+    def observe_call(self, plain_steps: dict[int, float], *, drafted: bool | None = None,
+                     seconds: float = 0.0) -> None:
         """A call's decode work per bucket: the steps plain decoding needs there (each step's emitted
-        tokens over its running rows: one per step without drafts, its tokens per row with them)."""
+        tokens over its running rows: one per step without drafts, its tokens per row with them);
+        with `drafted`, also the call's `seconds` (decode, plus the draft's prefill and weight copy
+        where it drafted) for `call_ratio`."""
         for bucket in plain_steps.keys() | self.plain_steps.keys():
             old, new = self.plain_steps.get(bucket), plain_steps.get(bucket, 0.0)
             self.plain_steps[bucket] = new if old is None else old + self.cost_weight * (new - old)
+        plain_s = sum(steps * self.cost.get((bucket, 0), 0.0) for bucket, steps in plain_steps.items())
+        if drafted is None or plain_s <= 0:
+            return
+        old, new = self.call_ratio.get(drafted), seconds / plain_s
+        self.call_ratio[drafted] = new if old is None else old + self.cost_weight * (new - old)
 
     def acceptance_rates(self) -> list[float]:
         """a_k for k = 0..max_k-1."""
@@ -91,13 +109,29 @@ class GoodputController:
         return saving
 
     def would_draft(self, buckets, max_k: int, overhead_s: float = 0.0) -> bool:
-        """Whether a call over these buckets should draft: while a K is unmeasured; before any call
-        was observed, where some bucket's best K > 0; after, where the call's expected saving
-        exceeds `overhead_s`, what drafting adds outside the steps (the draft's prefill and weight
-        copy). A call that should not runs as plain decoding, without the draft's prefill, staged
-        taps and weight copy.
-        Acceptance counts decay towards the prior's full acceptance (`new_call`), so such calls
-        draft again after a while and measure acceptance afresh."""
+        """Whether a call over these buckets should draft (counted as a call of that kind).
+
+        Where calls of both kinds have a `call_ratio`: the kind with the lower one, except that the
+        other kind runs once `explore_every` calls have passed without it; after the first drafting
+        call, a plain one. Otherwise the model: draft while a K is unmeasured; before any call was
+        observed, where some bucket's best K > 0; after, where the call's expected saving exceeds
+        `overhead_s`, what drafting adds outside the steps (the draft's prefill and weight copy).
+        A call that does not draft runs as plain decoding, without the draft's prefill, staged taps
+        and weight copy. Acceptance counts decay towards the prior's full acceptance (`new_call`),
+        so the model drafts again after a while and measures acceptance afresh."""
+        if len(self.call_ratio) == 2:
+            drafts = self.call_ratio[True] < self.call_ratio[False]
+            if self.calls_since[not drafts] >= self.explore_every:
+                drafts = not drafts
+        elif self.call_ratio.keys() == {True}:
+            drafts = False
+        else:
+            drafts = self._model_would_draft(buckets, max_k, overhead_s)
+        self.calls_since[drafts] = 0
+        self.calls_since[not drafts] += 1
+        return drafts
+
+    def _model_would_draft(self, buckets, max_k: int, overhead_s: float) -> bool:
         saving = self.call_saving(buckets, max_k)
         if saving is None:
             return True
