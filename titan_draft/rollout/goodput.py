@@ -46,6 +46,10 @@ class GoodputController:
         self.calls_since: dict[bool, int] = {True: 0, False: 0}
         """drafted -> calls since the last call of that kind."""
 
+    def _running_mean(self, old: float | None, new: float) -> float:
+        """The running mean after `new` (its weight cost_weight); the first value stands alone."""
+        return new if old is None else old + self.cost_weight * (new - old)
+
     def new_call(self) -> None:
         self.accepted = [self.decay * a for a in self.accepted]
         self.drafted = [self.decay * d for d in self.drafted]
@@ -57,8 +61,7 @@ class GoodputController:
             self.drafted[k] += d
 
     def observe_cost(self, bucket: int, K: int, seconds: float) -> None:
-        old = self.cost.get((bucket, K))
-        self.cost[bucket, K] = seconds if old is None else old + self.cost_weight * (seconds - old)
+        self.cost[bucket, K] = self._running_mean(self.cost.get((bucket, K)), seconds)
 
     def observe_call(self, plain_steps: dict[int, float], *, drafted: bool | None = None,
                      seconds: float = 0.0) -> None:
@@ -67,13 +70,11 @@ class GoodputController:
         with `drafted`, also the call's `seconds` (decode, plus the draft's prefill and weight copy
         where it drafted) for `call_ratio`."""
         for bucket in plain_steps.keys() | self.plain_steps.keys():
-            old, new = self.plain_steps.get(bucket), plain_steps.get(bucket, 0.0)
-            self.plain_steps[bucket] = new if old is None else old + self.cost_weight * (new - old)
+            self.plain_steps[bucket] = self._running_mean(self.plain_steps.get(bucket), plain_steps.get(bucket, 0.0))
         plain_s = sum(steps * self.cost.get((bucket, 0), 0.0) for bucket, steps in plain_steps.items())
         if drafted is None or plain_s <= 0:
             return
-        old, new = self.call_ratio.get(drafted), seconds / plain_s
-        self.call_ratio[drafted] = new if old is None else old + self.cost_weight * (new - old)
+        self.call_ratio[drafted] = self._running_mean(self.call_ratio.get(drafted), seconds / plain_s)
 
     def acceptance_rates(self) -> list[float]:
         """a_k for k = 0..max_k-1."""
