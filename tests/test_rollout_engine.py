@@ -557,13 +557,42 @@ def test_controller_judges_calls_by_their_own_times():
     controller.observe_call({8: 30.0}, drafted=True, seconds=36.0)
     assert controller.call_ratio == {True: pytest.approx(1.2)}
     assert not controller.would_draft([8], 1)  # a plain call, to compare
+    controller.observe_call({8: 30.0}, seconds=50.0)  # not timed (a step ran eagerly): plain again
+    assert controller.call_ratio == {True: pytest.approx(1.2)}
+    assert not controller.would_draft([8], 1)
     controller.observe_call({8: 30.0}, drafted=False, seconds=27.0)
     assert controller.call_ratio == {True: pytest.approx(1.2), False: pytest.approx(0.9)}
-    assert [controller.would_draft([8], 1) for _ in range(6)] == [False, False, True, False, False, False]
+    assert [controller.would_draft([8], 1) for _ in range(6)] == [False, True, False, False, False, True]
     controller.observe_call({8: 30.0}, drafted=True, seconds=12.0)  # ratio 0.4: 1.2 + 0.25 x (0.4 - 1.2) = 1.0
     assert controller.call_ratio[True] == pytest.approx(1.0)
     controller.observe_call({8: 30.0}, drafted=True, seconds=12.0)  # 0.85 < 0.9: drafting wins
-    assert [controller.would_draft([8], 1) for _ in range(5)] == [True, True, True, False, True]
+    assert [controller.would_draft([8], 1) for _ in range(5)] == [True, True, False, True, True]
+    # While no plain call is timed, plain calls run, and every explore_every-th call drafts again.
+    controller = GoodputController(1, explore_every=3)
+    controller.observe_cost(8, 0, 1.0)
+    controller.observe_call({8: 30.0}, drafted=True, seconds=36.0)
+    assert [controller.would_draft([8], 1) for _ in range(8)] == [False, False, False, True] * 2
+
+
+def test_only_calls_of_replayed_steps_are_timed():
+    """An adaptive call that runs as plain decoding gets a call ratio when every decode step replayed
+    a graph (on CPU: no graph, every run counts), and none when one did not (here a run counted as
+    unreplayed, as an eager run or a capture on CUDA is)."""
+    _, _, engine = make()
+    prompts = variable_prompts([4, 6, 5], seed=11)
+    for eager_step in (False, True):
+        engine.controller = GoodputController(engine.max_k)
+        engine.controller.would_draft = lambda buckets, max_k, overhead_s=0.0: False
+        if eager_step:
+            run = engine.graphs.run
+
+            def counted_run(key, fn):
+                engine.graphs.unreplayed += isinstance(key, StepShape)
+                return run(key, fn)
+            engine.graphs.run = counted_run
+        out = engine.generate(prompts, 12, num_speculative_tokens=3, adaptive=True, temperature=0, eos_id=NEVER)
+        assert out.num_drafts == 0 and engine.controller.plain_steps
+        assert (False in engine.controller.call_ratio) == (not eager_step)
 
 
 def test_adaptive_generation_follows_the_cost_table():
@@ -642,6 +671,12 @@ def test_measurement_uses_every_step_shape_the_call_uses_where_steps_read_live_s
     steps = {key for key in used if isinstance(key, StepShape) or key[0] == "flush"}
     assert steps and steps <= measured, steps - measured
     assert torch.equal(got.tokens, want.tokens)
+    # So does a call that adaptive K runs as plain decoding (its steps stage no taps).
+    engine.controller.would_draft = lambda buckets, max_k, overhead_s=0.0: False
+    before = dict(engine.graphs.uses)
+    engine.generate(prompts, 30, num_speculative_tokens=3, adaptive=True, temperature=0, eos_id=NEVER)
+    plain = {key for key in engine.graphs.uses if isinstance(key, StepShape) and engine.graphs.uses[key] > before.get(key, 0)}
+    assert plain and all(not key.stage and not key.k for key in plain) and plain <= measured, plain - measured
 
 
 def test_draft_weights_are_copied_by_the_first_call_that_drafts():

@@ -596,6 +596,11 @@ class RolloutEngine:
                         seconds.append(step_seconds)
                 costs[bucket, k] = sorted(seconds)[len(seconds) // 2]
                 self.controller.observe_cost(bucket, k, costs[bucket, k])
+            # The step of a call that adaptive K runs as plain decoding (no taps staged): captured
+            # too, so that the first such calls do not run eagerly and look slower than they are.
+            plain = StepShape(B0, bucket, 0, temperature, top_p, stage=False, width=width)
+            self.graphs.capture_at_next_use(plain)
+            self.graphs.run(plain, partial(self._decode_step, plain))
         self._counts.staged.zero_()
         return costs
 
@@ -665,11 +670,15 @@ class RolloutEngine:
 
         timing["prefill_s"], _ = timed(lambda: self._start(padded, prompt_lengths, max_new_tokens, eos_id, drafts > 0,
                                                         temperature, top_p), self.device)
+        unreplayed = self.graphs.unreplayed
         timing["decode_s"], (steps_per_k, out_tokens, out_lengths, status, plain_steps) = timed(
             lambda: self._decode(B, K, drafts, adaptive and drafts > 0, temperature, top_p, total), self.device)
         if adaptive:  # the call's seconds beyond the policy's prefill, which both kinds of call pay
             extra_s = draft_prefill_s + timing["draft_weights_s"] if drafts else 0.0
-            self.controller.observe_call(plain_steps, drafted=drafts > 0, seconds=timing["decode_s"] + extra_s)
+            # A decode loop with a step that was not a graph replay is no call's representative time.
+            replayed = self.graphs.unreplayed == unreplayed
+            self.controller.observe_call(plain_steps, drafted=drafts > 0 if replayed else None,
+                                         seconds=timing["decode_s"] + extra_s)
         timing["capture_s"] = self.graphs.capture_s
 
         verify_rows, emitted = status.verify_rows, status.emitted

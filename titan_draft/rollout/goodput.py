@@ -26,7 +26,9 @@ class GoodputController:
     its work would take at the measured plain step costs (`call_ratio`, per kind: drafting or
     not). Once both kinds have a ratio, the lower decides, and the other kind runs again every
     `explore_every` calls, as the draft and the answers change; the first call that drafts is
-    followed by one that does not, so that a drafting call is never judged by the model alone.
+    followed by plain ones until one of them is timed (or `explore_every` calls pass), so that a
+    drafting call is never judged by the model alone. Only calls whose every step replayed a
+    CUDA graph are timed (the engine captures a plain call's steps with the drafting ones).
     """
 
     def __init__(self, max_k: int, *, decay: float = 0.5, prior_steps: float = 1.0, cost_weight: float = 0.25,
@@ -68,7 +70,8 @@ class GoodputController:
         """A call's decode work per bucket: the steps plain decoding needs there (each step's emitted
         tokens over its running rows: one per step without drafts, its tokens per row with them);
         with `drafted`, also the call's `seconds` (decode, plus the draft's prefill and weight copy
-        where it drafted) for `call_ratio`."""
+        where it drafted) for `call_ratio`; the engine leaves it None where a step of the call was
+        not a CUDA graph replay (an eager run or a capture is not the kind's time)."""
         for bucket in plain_steps.keys() | self.plain_steps.keys():
             self.plain_steps[bucket] = self._running_mean(self.plain_steps.get(bucket), plain_steps.get(bucket, 0.0))
         plain_s = sum(steps * self.cost.get((bucket, 0), 0.0) for bucket, steps in plain_steps.items())
@@ -113,8 +116,8 @@ class GoodputController:
         """Whether a call over these buckets should draft (counted as a call of that kind).
 
         Where calls of both kinds have a `call_ratio`: the kind with the lower one, except that the
-        other kind runs once `explore_every` calls have passed without it; after the first drafting
-        call, a plain one. Otherwise the model: draft while a K is unmeasured; before any call was
+        other kind runs once `explore_every` calls have passed without it; after the first timed drafting
+        call, plain ones until one is timed (or `explore_every` calls pass). Otherwise the model: draft while a K is unmeasured; before any call was
         observed, where some bucket's best K > 0; after, where the call's expected saving exceeds
         `overhead_s`, what drafting adds outside the steps (the draft's prefill and weight copy).
         A call that does not draft runs as plain decoding, without the draft's prefill, staged taps
@@ -124,8 +127,8 @@ class GoodputController:
             drafts = self.call_ratio[True] < self.call_ratio[False]
             if self.calls_since[not drafts] >= self.explore_every:
                 drafts = not drafts
-        elif self.call_ratio.keys() == {True}:
-            drafts = False
+        elif self.call_ratio.keys() == {True}:  # plain until a plain call is timed (or explore_every calls)
+            drafts = self.calls_since[True] >= self.explore_every
         else:
             drafts = self._model_would_draft(buckets, max_k, overhead_s)
         self.calls_since[drafts] = 0
