@@ -122,7 +122,8 @@ def step_of(state: RLState):
                   **{key: stats.get(key) for key in ("memory_peak_gib_rollout", "memory_peak_gib_train")},
                   "draft_acc_pass1": stats.get("draft_acc_pass1"),
                   **{key: m[key] for key in ("rollout_weights_s", "rollout_measure_s", "rollout_prefill_s",
-                                             "rollout_decode_s", "rollout_unreplayed_calls", "rollout_capture_s")}}
+                                             "rollout_decode_s", "rollout_unreplayed_calls", "rollout_capture_s",
+                                             "rollout_call_ratio_drafting", "rollout_call_ratio_plain")}}
         if state.job.plan.speculate:
             record["spec"] = spec_metrics(rollouts.counts)
         return record

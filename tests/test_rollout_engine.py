@@ -51,6 +51,7 @@ class ScheduledK:
 
     def __init__(self, schedule):
         self.schedule, self.step = schedule, 0
+        self.call_ratio = {}  # no call is judged
 
     def new_call(self):
         self.step = 0
@@ -593,6 +594,8 @@ def test_only_calls_of_replayed_steps_are_timed():
         out = engine.generate(prompts, 12, num_speculative_tokens=3, adaptive=True, temperature=0, eos_id=NEVER)
         assert out.num_drafts == 0 and engine.controller.plain_steps
         assert (False in engine.controller.call_ratio) == (not eager_step)
+        assert out.call_ratios == ({} if eager_step else {"plain": engine.controller.call_ratio[False]})
+    assert engine.generate(prompts, 12, num_speculative_tokens=3, temperature=0, eos_id=NEVER).call_ratios == {}
 
 
 @pytest.mark.parametrize("min_bucket, compact", [(1, True), (16, True), (20, True), (16, False)])

@@ -128,6 +128,9 @@ def collect_rollouts(s: RLState) -> Rollouts:
         "rollout_decode_s": result.timing["decode_s"],
         "rollout_unreplayed_calls": float(result.unreplayed_calls),
         "rollout_capture_s": result.timing["capture_s"],
+        # What adaptive K judges calls by: seconds over their work at the plain step costs, per kind
+        # (0 until a call of that kind was timed; GoodputController.call_ratio).
+        **{f"rollout_call_ratio_{kind}": result.call_ratios.get(kind, 0.0) for kind in ("drafting", "plain")},
         # The response-length distribution (means over data-parallel ranks of each rank's numbers).
         "response_len_mean": lengths.float().mean().item(),
         "response_len_p90": lengths.float().quantile(0.9).item(),

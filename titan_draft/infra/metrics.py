@@ -15,11 +15,12 @@ from titan_draft.infra.ranks import is_rank0
 # Wall-clock measurements: the only metrics that may differ between two runs with one seed.
 TIMING_KEYS = frozenset({"rollout_time_s", "rollout_weights_s", "rollout_measure_s", "rollout_prefill_s",
                          "rollout_decode_s", "rollout_capture_s", "rollout_tokens_per_s", "train_time_s",
-                         "draft_time_s"})
+                         "draft_time_s", "rollout_call_ratio_drafting", "rollout_call_ratio_plain"})
 # In metrics.jsonl and TensorBoard, not on the console line, whose one acceptance figure is
 # spec_acceptance_length, the one vLLM and NeMo RL users know (docs/DESIGN.md 4.3 defines both), and
 # whose one CUDA-graph figure is rollout_unreplayed_calls.
-FILE_ONLY_KEYS = frozenset({"tokens_per_verify_forward", "rollout_capture_s"})
+FILE_ONLY_KEYS = frozenset({"tokens_per_verify_forward", "rollout_capture_s", "rollout_call_ratio_drafting",
+                            "rollout_call_ratio_plain"})
 
 
 class MetricsLogger:

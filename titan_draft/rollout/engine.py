@@ -139,6 +139,9 @@ class RolloutResult:
     capture_s: the part of the last two in calls that captured a CUDA graph (StepGraphs.capture_s)."""
     tokens_per_s: float = 0.0
     """Generated tokens (all rows) per second of wall time of generate()."""
+    call_ratios: dict = field(default_factory=dict)
+    """Adaptive K's call ratios after this call (GoodputController.call_ratio), by kind: "drafting",
+    "plain"; a kind's entry only once a call of it was timed; empty without adaptive K."""
 
 
 @dataclass
@@ -710,6 +713,8 @@ class RolloutEngine:
             per_position_acceptance=(accepted.double() / drafted.clamp(min=1).double()).float(),
             steps_per_k=steps_per_k, num_decode_steps=int(steps_per_k.sum()),
             unreplayed_calls=self.graphs.unreplayed, timing=timing,
+            call_ratios={"drafting" if drafting else "plain": ratio
+                         for drafting, ratio in self.controller.call_ratio.items()} if adaptive else {},
         )
         result.tokens_per_s = float(response_lengths.sum()) / (time.perf_counter() - wall)
         return result
