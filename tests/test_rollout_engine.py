@@ -598,16 +598,6 @@ def test_only_calls_of_replayed_steps_are_timed():
     assert engine.generate(prompts, 12, num_speculative_tokens=3, temperature=0, eos_id=NEVER).call_ratios == {}
 
 
-@pytest.mark.parametrize("min_bucket, compact", [(1, True), (16, True), (20, True), (16, False)])
-def test_buckets_are_those_the_running_rows_map_to(min_bucket, compact):
-    """`_buckets(B0)` (what measure_steps captures and would_draft weighs) is the set of `_bucket` over
-    1..B0 running rows, for every call size up to 300."""
-    policy, draft, _ = make()
-    engine = engine_for(policy, draft, 4, min_bucket=min_bucket, compact=compact)
-    for B0 in range(1, 301):
-        assert engine._buckets(B0) == sorted({engine._bucket(running, B0) for running in range(1, B0 + 1)}), B0
-
-
 def test_adaptive_generation_follows_the_cost_table():
     """Through the engine: when drafting is priced out every step runs K = 0 (no draft work, the
     plain tokens) and the call runs as plain decoding (its prefill skips the draft); when drafting

@@ -245,7 +245,6 @@ class RolloutEngine:
                                   compile=compile, few_row_linear=options.few_row_linear)
         self._target_ids = None  # the draft's vocabulary as target ids (load_weights)
         self._draft_source = None  # the draft module load_weights was given, while not yet copied
-        self._collective_draft = (None, False)  # (a draft module, whether copying it is a collective)
         self.draft_refresh_s = 0.0  # seconds of the last draft weight copy (_refresh_draft)
 
         # What the loop reads once per step (StepStatus), and its fields as views the steps write.
@@ -363,16 +362,8 @@ class RolloutEngine:
             raise ValueError("load_weights: a draft was given but the engine was built without "
                              "draft_args; build it with the draft's args")
         self._draft_source = draft
-        if self._target_ids is None or self._copy_is_collective(draft):
+        if self._target_ids is None or weights_need_collective(draft):
             self._refresh_draft()
-
-    def _copy_is_collective(self, draft: nn.Module) -> bool:
-        """weights_need_collective(draft), asked once per module: a job passes the same draft every RL
-        step, and its state_dict() costs ~0.3 ms of host time per call (FSDP2)."""
-        module, collective = self._collective_draft
-        if module is not draft:
-            self._collective_draft = draft, weights_need_collective(draft)
-        return self._collective_draft[1]
 
     def _refresh_draft(self) -> None:
         """The pending draft weights of load_weights into the engine's draft; `draft_refresh_s` is the
@@ -566,15 +557,8 @@ class RolloutEngine:
         return min(B, max(self.min_bucket, 1 << (running - 1).bit_length())) if self.compact else B
 
     def _buckets(self, B0: int) -> list[int]:
-        """Every bucket a call of B0 rows may run in (`_bucket` of 1..B0 running rows), ascending:
-        min_bucket, the powers of two above it and below B0, and B0."""
-        if not self.compact or B0 <= self.min_bucket:
-            return [B0]
-        buckets, power = [self.min_bucket], 1 << self.min_bucket.bit_length()
-        while power < B0:
-            buckets.append(power)
-            power *= 2
-        return buckets + [B0]
+        """Every bucket a call of B0 rows may run in, ascending."""
+        return sorted({self._bucket(running, B0) for running in range(1, B0 + 1)})
 
     def measure_steps(self, B0: int, K: int, temperature: float, top_p: float, length: int,
                       repeats: int = MEASURED_STEPS) -> dict[tuple[int, int], float]:
