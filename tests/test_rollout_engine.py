@@ -16,6 +16,7 @@ from titan_draft.models.policy import TapRecorder, build_policy, forward_packed,
 from titan_draft.rollout import EngineOptions, GoodputController, RolloutEngine, probs_from_logits
 from titan_draft.rollout.cached_model import _attend_folded, block_forward, compile_for_decoding
 from titan_draft.rollout.engine import StepShape
+from titan_draft.rollout.weights import weights_need_collective
 
 DEVICE = _compat.device()  # the engine runs where the policy does: the CUDA path on a GPU machine
 
@@ -872,16 +873,27 @@ def _load_sharded_worker(rank, world_size):
     same &= all(torch.equal(a, b) for a, b in zip(engine.draft.state_dict().values(),
                                                   reference.draft.state_dict().values()))
     got = engine.generate(prompts, 10, num_speculative_tokens=3, temperature=0, eos_id=NEVER).tokens
-    return same, torch.equal(got, want)
+    # The copy is a collective exactly where a shard spans ranks (load_weights then copies the draft at once).
+    collective = weights_need_collective(draft) == (world_size > 1) and not weights_need_collective(reference.draft)
+    return same, torch.equal(got, want), collective
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="gloo ranks on CPU")
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_load_weights_from_fsdp_sharded_modules(world_size):
-    """Over two ranks the shards are gathered; on one rank the local tensors are whole (no gather)."""
+    """Over two ranks the shards are gathered; on one rank the local tensors are whole (no gather, no
+    collective)."""
     from distributed import run_distributed
 
-    assert run_distributed(_load_sharded_worker, world_size, timeout=150) == [(True, True)] * world_size
+    assert run_distributed(_load_sharded_worker, world_size, timeout=150) == [(True, True, True)] * world_size
+
+
+@pytest.mark.parametrize("min_bucket,compact", [(1, True), (16, True), (16, False)])
+def test_buckets_are_every_bucket_a_call_can_run_in(min_bucket, compact):
+    """_buckets (log2 calls of _bucket, before every adaptive call) = _bucket of every running-row count."""
+    engine = make(min_bucket=min_bucket, compact=compact)[2]
+    for rows in (1, 2, 3, 16, 17, 100, 512, 513):
+        assert engine._buckets(rows) == sorted({engine._bucket(running, rows) for running in range(1, rows + 1)})
 
 
 def test_compiled_step_functions_keep_a_graph_per_shape_past_the_default_limit():

@@ -557,8 +557,10 @@ class RolloutEngine:
         return min(B, max(self.min_bucket, 1 << (running - 1).bit_length())) if self.compact else B
 
     def _buckets(self, B0: int) -> list[int]:
-        """Every bucket a call of B0 rows may run in, ascending."""
-        return sorted({self._bucket(running, B0) for running in range(1, B0 + 1)})
+        """Every bucket a call of B0 rows may run in, ascending. `_bucket` rounds the running rows up
+        to a power of two, so the powers of two below B0, and B0, reach every bucket (in log2(B0)
+        calls, not B0: this runs before every adaptive call)."""
+        return sorted({self._bucket(running, B0) for running in (*(1 << i for i in range(B0.bit_length())), B0)})
 
     def measure_steps(self, B0: int, K: int, temperature: float, top_p: float, length: int,
                       repeats: int = MEASURED_STEPS) -> dict[tuple[int, int], float]:

@@ -5,6 +5,7 @@ wrappers' name prefixes are dropped and sharded tensors gathered.
 """
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 # Wrapper prefixes that checkpointing and torch.compile add to parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -19,14 +20,14 @@ def unwrapped_name(name: str) -> str:
 
 def _spans_ranks(tensor) -> bool:
     """Whether tensor is a DTensor over a mesh of several ranks (gathering it is a collective)."""
-    from torch.distributed.tensor import DTensor
-
     return isinstance(tensor, DTensor) and tensor.device_mesh.size() > 1
 
 
 def weights_need_collective(module: nn.Module) -> bool:
-    """Whether copy_weights(module, ...) is a collective: some tensor is sharded over several ranks."""
-    return any(_spans_ranks(tensor) for tensor in module.state_dict().values())
+    """Whether copy_weights(module, ...) is a collective: some tensor is sharded over several ranks.
+    Read from the parameters and buffers, which hold every state_dict tensor: state_dict() itself runs
+    FSDP2's hooks (0.21 ms of host time per call for a one-block draft on a mesh of one rank, measured on a CPU; 0.06 ms this way)."""
+    return any(_spans_ranks(tensor) for tensor in (*module.parameters(), *module.buffers()))
 
 
 def copy_weights(src: nn.Module, dst: nn.Module, what: str) -> None:
@@ -35,8 +36,6 @@ def copy_weights(src: nn.Module, dst: nn.Module, what: str) -> None:
     (full_tensor per parameter cost ~7 ms per refresh of a 24M policy on an H100). Local tensors
     are copied by one foreach call (a few launches, not one per tensor); a gathered tensor is copied
     at once, so that no more than one gathered parameter is alive at a time."""
-    from torch.distributed.tensor import DTensor
-
     dst_state = dst.state_dict()
     loaded, sources, targets = set(), [], []
     for name, tensor in src.state_dict().items():
