@@ -99,6 +99,22 @@ def test_policy_update_is_the_same_in_every_draft_mode(tmp_path):
     metrics.close()
 
 
+@pytest.mark.parametrize("mode", ["frozen", "cotrain"])
+def test_a_frozen_draft_reaches_the_engine_once(tmp_path, mode):
+    """collect_rollouts hands the engine a co-trained draft in every step (it changed), a frozen one in the
+    first only (it never changes: each later copy would cost a drafting call the draft's weight copy)."""
+    cfg = parse_config([*TINY, "--job.dump_folder", str(tmp_path), "--draft.mode", mode])
+    plan = build_plan(cfg, 1)
+    job = build_job(cfg, MetricsLogger(str(tmp_path), tensorboard=False), plan=plan, dims=build_parallel_dims(plan))
+    state = RLState.create(job, DraftOptimizer(job.draft, cfg.draft))
+    given, load = [], state.engine.load_weights
+    state.engine.load_weights = lambda policy, draft=None: (given.append(draft is not None), load(policy, draft))
+    for _ in range(3):
+        collect_rollouts(state)
+    assert given == ([True] * 3 if mode == "cotrain" else [True, False, False])
+    assert same(params(state.engine.draft), params(job.draft))
+
+
 def run_job(folder, *overrides):
     main([*TINY, "--job.dump_folder", str(folder), *overrides])
     return read_metrics(os.path.join(folder, "metrics.jsonl"))
