@@ -23,12 +23,17 @@ def _spans_ranks(tensor) -> bool:
     return isinstance(tensor, DTensor) and tensor.device_mesh.size() > 1
 
 
-def weights_need_collective(module: nn.Module) -> bool:
+def weights_need_collective(module) -> bool:
     """Whether copy_weights(module, ...) is a collective: some tensor is sharded over several ranks.
-    Read from the parameters and buffers, which hold every state_dict tensor: state_dict() itself runs
+    A module (anything with state_dict(), as copy_weights reads: the pipeline's gathered Weights) is
+    read from its parameters and buffers, which hold every state_dict tensor: state_dict() itself runs
     FSDP2's hooks (for a one-block draft on a mesh of one rank, measured on a CPU: 0.21 ms of host
     time per call, against 0.06 ms this way)."""
-    return any(_spans_ranks(tensor) for tensor in (*module.parameters(), *module.buffers()))
+    if isinstance(module, nn.Module):
+        tensors = (*module.parameters(), *module.buffers())
+    else:
+        tensors = module.state_dict().values()
+    return any(_spans_ranks(tensor) for tensor in tensors)
 
 
 def copy_weights(src: nn.Module, dst: nn.Module, what: str) -> None:
