@@ -873,8 +873,13 @@ def _load_sharded_worker(rank, world_size):
     same &= all(torch.equal(a, b) for a, b in zip(engine.draft.state_dict().values(),
                                                   reference.draft.state_dict().values()))
     got = engine.generate(prompts, 10, num_speculative_tokens=3, temperature=0, eos_id=NEVER).tokens
-    # The copy is a collective exactly where a shard spans ranks (load_weights then copies the draft at once).
-    collective = weights_need_collective(draft) == (world_size > 1) and not weights_need_collective(reference.draft)
+    # The copy is a collective exactly where a shard spans ranks (load_weights then copies the draft at once),
+    # read from a module or from a state dict (the pipeline's gathered Weights).
+    from titan_draft.rl.pipelined_policy import Weights
+
+    sharded = world_size > 1
+    collective = weights_need_collective(draft) == weights_need_collective(Weights(draft.state_dict())) == sharded
+    collective &= not weights_need_collective(reference.draft)
     return same, torch.equal(got, want), collective
 
 
