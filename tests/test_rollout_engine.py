@@ -893,12 +893,14 @@ def test_load_weights_from_fsdp_sharded_modules(world_size):
     assert run_distributed(_load_sharded_worker, world_size, timeout=150) == [(True, True, True)] * world_size
 
 
-@pytest.mark.parametrize("min_bucket,compact", [(1, True), (16, True), (16, False)])
-def test_buckets_are_every_bucket_a_call_can_run_in(min_bucket, compact):
-    """_buckets (log2 calls of _bucket, before every adaptive call) = _bucket of every running-row count."""
-    engine = make(min_bucket=min_bucket, compact=compact)[2]
-    for rows in (1, 2, 3, 16, 17, 100, 512, 513):
-        assert engine._buckets(rows) == sorted({engine._bucket(running, rows) for running in range(1, rows + 1)})
+@pytest.mark.parametrize("min_bucket, compact", [(1, True), (16, True), (20, True), (16, False)])
+def test_buckets_are_those_the_running_rows_map_to(min_bucket, compact):
+    """`_buckets(B0)` (what measure_steps captures and would_draft weighs; log2(B0) calls of `_bucket`) is
+    the set of `_bucket` over 1..B0 running rows, for every call size up to 300 and at 512 and 513."""
+    policy, draft, _ = make()
+    engine = engine_for(policy, draft, 4, min_bucket=min_bucket, compact=compact)
+    for B0 in [*range(1, 301), 512, 513]:
+        assert engine._buckets(B0) == sorted({engine._bucket(running, B0) for running in range(1, B0 + 1)}), B0
 
 
 def test_compiled_step_functions_keep_a_graph_per_shape_past_the_default_limit():

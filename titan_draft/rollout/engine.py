@@ -558,7 +558,7 @@ class RolloutEngine:
 
     def _buckets(self, B0: int) -> list[int]:
         """Every bucket a call of B0 rows may run in, ascending. `_bucket` rounds the running rows up
-        to a power of two, so the powers of two below B0, and B0, reach every bucket (in log2(B0)
+        to a power of two, so the powers of two up to B0, and B0, reach every bucket (in log2(B0)
         calls, not B0: this runs before every adaptive call)."""
         return sorted({self._bucket(running, B0) for running in (*(1 << i for i in range(B0.bit_length())), B0)})
 
