@@ -59,7 +59,6 @@ class RLState:
     engine: RolloutEngine
     policy_skips_in_a_row: int = 0
     policy_updates_skipped: int = 0
-    draft_in_engine: bool = False  # whether the engine holds the draft's weights (a frozen draft's reach it once)
 
     @classmethod
     def create(cls, job: Job, draft_opt: DraftOptimizer) -> "RLState":
@@ -101,9 +100,8 @@ def collect_rollouts(s: RLState) -> Rollouts:
     ro, rl, speculate = cfg.rollout, cfg.rl, job.plan.speculate
     t0 = time.perf_counter()
     # A co-trained draft changes in every step; a frozen one only reaches the engine once.
-    with_draft = speculate and (job.plan.train_draft or not s.draft_in_engine)
+    with_draft = speculate and (job.plan.train_draft or not s.engine.holds_draft_weights)
     s.engine.load_weights(*s.policy.rollout_weights(with_draft))
-    s.draft_in_engine |= with_draft
     weights_s = time.perf_counter() - t0
     # Every rank draws the whole step's prompts (same stream as one process) and rolls out its share.
     prompts = job.task.sample_prompts(rl.prompts_per_step, job.generators["data"])

@@ -282,6 +282,11 @@ class RolloutEngine:
         return self.model.draft
 
     @property
+    def holds_draft_weights(self) -> bool:
+        """Whether a load_weights has given the engine a draft (the first one is copied at once)."""
+        return self._target_ids is not None
+
+    @property
     def cuda_graphs(self) -> bool:
         """Whether prefill and decode steps replay as CUDA graphs (options.cuda_graphs, on CUDA)."""
         return self.graphs.enabled
