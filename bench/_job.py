@@ -151,8 +151,10 @@ def warm_state(job: Job, draft_opt: DraftOptimizer) -> dict:
 def load_warm_state(state: dict, job: Job, draft_opt: DraftOptimizer) -> None:
     """`state` (warm_state's) into a job of the same config, sharded as that job is."""
     options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(job.policy, state["policy"], options=options)
-    set_model_state_dict(job.draft, state["draft"], options=options)
+    # Copies: set_model_state_dict renames the keys of the dict it is given to a compiled model's own
+    # (layers.0._orig_mod...), and the same warm start loads into every mode's job.
+    set_model_state_dict(job.policy, dict(state["policy"]), options=options)
+    set_model_state_dict(job.draft, dict(state["draft"]), options=options)
     set_optimizer_state_dict(job.draft, draft_opt.optimizer, state["draft_optimizer"], options=options)
     for name, g in job.generators.items():
         g.set_state(state["generators"][name].cpu())
