@@ -72,9 +72,10 @@ def _cuda_runtime() -> ctypes.CDLL | None:
 
 def upload(graph: torch.cuda.CUDAGraph) -> None:
     """Put an instantiated graph on the device now (cudaGraphUpload), which CUDA otherwise does in its
-    first launch: that replay then takes 1.3-1.5x a later one (measured on an H100: 0.40 / 1.47 / 3.85
-    ms against 0.26 / 1.03 / 3.06 ms for graphs of ~75 / 300 / 900 kernels), and adaptive K would time
-    it as the step's cost. Without the runtime library by name the first launch keeps that cost."""
+    first launch: that replay then takes 1.5-2.2x a later one, and adaptive K would time it as the
+    step's cost (bench.graph_upload on an H100: 0.61 / 1.66 / 4.59 ms against 0.28 / 1.03 / 3.10 ms for
+    graphs of ~75 / 300 / 900 kernels; 1.01x uploaded). Without the runtime library by name the first
+    launch keeps that cost."""
     runtime = _cuda_runtime()
     if runtime is None:
         return
