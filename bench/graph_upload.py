@@ -4,7 +4,8 @@
 CUDA puts an instantiated graph on the device in its first launch unless it was uploaded before, so
 the first replay costs more than later ones; the engine uploads every graph it captures, because
 adaptive K times replays as step costs. Each chain (--layers L: L x (matmul [16 x 512] @ [512 x 512],
-tanh, scale, add), about 3 L kernels) is captured --repeats times; per capture, the first replay and the
+tanh, scale, add), about 3 L kernels) is captured --repeats times as the engine captures
+(rollout/graphs.capture); per capture, the first replay and the
 median of 10 later ones are timed between device syncs; the table gives the medians over captures.
 
   python -m bench.graph_upload                       # one GPU, seconds
@@ -20,7 +21,7 @@ import time
 import torch
 
 from bench._common import REPO_ROOT, device_tag, environment, write_json
-from titan_draft.rollout.graphs import upload
+from titan_draft.rollout.graphs import capture, upload
 
 
 def chain(x: torch.Tensor, weights: list[torch.Tensor], layers: int):
@@ -31,19 +32,6 @@ def chain(x: torch.Tensor, weights: list[torch.Tensor], layers: int):
             y = torch.tanh(y @ weights[i % len(weights)]) * 0.5 + y
         x.copy_(y)
     return run
-
-
-def captured(fn) -> torch.cuda.CUDAGraph:
-    """fn captured after one eager run on a side stream (as rollout.graphs.CapturedCall does)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
@@ -65,13 +53,14 @@ def main() -> None:
     device = torch.device("cuda")
     x = torch.randn(16, 512, device=device)
     weights = [torch.randn(512, 512, device=device) for _ in range(8)]
+    generator = torch.Generator(device)
     rows = []
     print(f"{'layers':>6} {'uploaded':>8} {'first ms':>9} {'later ms':>9} {'first / later':>13}")
     for layers in a.layers:
         for uploaded in (False, True):
             first, later = [], []
             for _ in range(a.repeats):
-                graph = captured(chain(x, weights, layers))
+                graph = capture(chain(x, weights, layers), generator)
                 if uploaded:
                     upload(graph)
                 torch.cuda.synchronize()

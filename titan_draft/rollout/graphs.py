@@ -36,26 +36,34 @@ class CapturedCall:
         if self.graph is not None:
             self.graph.replay()
             return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        graph.register_generator_state(self.generator)
-        # No cyclic garbage collection during the capture: it could free a dropped engine's graphs
-        # (an engine and its captured steps form a reference cycle), and destroying a graph while a
-        # stream captures invalidates the capture ("operation not permitted when stream is capturing").
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.fn()
-        finally:
-            if collecting:
-                gc.enable()
+        graph = capture(self.fn, self.generator, self.pool)
         upload(graph)
         self.graph = graph
+
+
+def capture(fn, generator: torch.Generator, pool=None) -> torch.cuda.CUDAGraph:
+    """fn run eagerly on a side stream (a real call: lazy initialisation happens outside capture), then
+    captured as a graph that draws its random numbers from `generator` and allocates in `pool`. Not
+    uploaded (`upload`)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    graph.register_generator_state(generator)
+    # No cyclic garbage collection during the capture: it could free a dropped engine's graphs
+    # (an engine and its captured steps form a reference cycle), and destroying a graph while a
+    # stream captures invalidates the capture ("operation not permitted when stream is capturing").
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+    finally:
+        if collecting:
+            gc.enable()
+    return graph
 
 
 @functools.cache
