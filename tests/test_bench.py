@@ -304,20 +304,18 @@ def test_rl_step_bench_one_state_keeps_the_modes_a_cut_short_run_finished(tmp_pa
     assert report["table"]["none"]["steps"] == 1
 
 
-def test_one_warm_start_loads_into_several_compiled_jobs():
+def test_one_warm_start_loads_into_several_compiled_jobs(tmp_path):
     """bench.rl_step loads one warm start into each mode's job; with [compile] on, the policy's blocks are
     torch.compile wrappers (nothing compiles until a forward). A second load gets the same weights."""
-    import tempfile
-
     from bench._job import job_config, load_warm_state, new_job, warm_state
     from bench.rl_step import TINY_OVERRIDES
 
     cfg = job_config(os.path.join(ROOT, "train_configs", "sort_tiny_cpu.toml"), [*TINY_OVERRIDES, "--compile.enable"])
-    source, source_opt = new_job(cfg, tempfile.mkdtemp())
+    source, source_opt = new_job(cfg, str(tmp_path / "source"))
     state = warm_state(source, source_opt)
     for seed in (1, 2):
         torch.manual_seed(seed)
-        job, draft_opt = new_job(cfg, tempfile.mkdtemp())
+        job, draft_opt = new_job(cfg, str(tmp_path / f"job{seed}"))
         for p in job.policy.parameters():
             p.data.normal_()
         load_warm_state(state, job, draft_opt)
