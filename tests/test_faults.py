@@ -1,6 +1,7 @@
 """A policy or draft update that goes non-finite: skipped and counted, never applied; a policy that stays
 non-finite stops the job (exit 3, one line, its checkpoints hold the last finite weights); a draft that
 stays non-finite is restored to its state before the update that broke it."""
+import copy
 import os
 import sys
 
@@ -93,3 +94,17 @@ def test_draft_restored_after_repeated_non_finite_losses():
     assert optimizer.skipped == 2 and optimizer.restores == 1
     assert all(torch.equal(draft.state_dict()[k], before[k]) for k in before)
     assert optimizer.optimizer.state_dict()["state"] == {}  # AdamW's moments are back to before the update too
+
+    # A later update breaks it again: back to the weights and the moments of the update before it.
+    optimizer.set_lr(1e-3)
+    assert step(1.0)
+    good = copy.deepcopy((draft.state_dict(), optimizer.optimizer.state_dict()["state"]))
+    optimizer.set_lr(1e12)
+    assert step(1.0)
+    with pytest.warns(UserWarning, match="back to their state before the last update"):
+        assert not step(float("nan")) and not step(float("nan"))
+    assert optimizer.restores == 2
+    assert all(torch.equal(draft.state_dict()[k], good[0][k]) for k in good[0])
+    moments = optimizer.optimizer.state_dict()["state"]
+    assert moments.keys() == good[1].keys() and all(
+        torch.equal(moments[i][key], good[1][i][key]) for i in moments for key in moments[i])

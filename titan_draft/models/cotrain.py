@@ -7,7 +7,6 @@ policy's update. The whole-batch layouts (one process, FSDP/TP/CP) and the warm-
 draft's rows as DraftFeatures and run `draft_backward` (micro-batched `draft_step`); the pipeline's
 last stage runs `draft_step` per microbatch. All step through one DraftOptimizer.
 """
-import copy
 import math
 import warnings
 from dataclasses import dataclass
@@ -134,10 +133,16 @@ class DraftOptimizer:
     def __init__(self, draft: EagleDraft, draft_cfg):
         self.draft = draft
         self.params = [p for p in draft.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=draft_cfg.lr, weight_decay=0.0)
+        # Fused on GPUs (one kernel for every parameter, as torchtitan's default): the draft is small, so its
+        # step is launch-bound.
+        fused = all(p.is_cuda for p in self.params) or None
+        self.optimizer = torch.optim.AdamW(self.params, lr=draft_cfg.lr, weight_decay=0.0, fused=fused)
         self.max_norm, self.restore_after = draft_cfg.max_norm, draft_cfg.restore_after_skips
         self.skipped = self.restores = self.skips_in_a_row = 0
-        self._before_last_update = None
+        # The parameters and AdamW's state before the last applied update (restore_after_skips): buffers
+        # kept across updates, refilled by copies, and whether AdamW had any state then.
+        self._before_last_update: list[torch.Tensor] | None = None
+        self._had_state = False
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next updates (co-training's, after the warm-up's)."""
@@ -151,7 +156,7 @@ class DraftOptimizer:
         # Pipeline ranks without the last stage hold the draft but never run it: nothing to apply.
         if finite and any(p.grad is not None for p in self.params):
             if self.restore_after:
-                self._before_last_update = self._snapshot()
+                self._snapshot()
             torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
             self.optimizer.step()
         if finite:
@@ -164,19 +169,32 @@ class DraftOptimizer:
         self.optimizer.zero_grad(set_to_none=True)
         return finite
 
-    def _snapshot(self):
-        with torch.no_grad():
-            return [p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict())
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """The parameters, then AdamW's state tensors of each (none before its first step)."""
+        state = self.optimizer.state
+        return [*self.params, *(state[p][key] for p in self.params if p in state for key in sorted(state[p]))]
 
+    @torch.no_grad()
+    def _snapshot(self) -> None:
+        """Copy what _restore puts back into the saved buffers: one foreach copy per update, not a clone of
+        every tensor and a deep copy of the optimizer's state dict (the draft's step is launch-bound)."""
+        tensors = self._state_tensors()
+        self._had_state = len(tensors) > len(self.params)
+        if self._before_last_update is None or len(self._before_last_update) != len(tensors):
+            self._before_last_update = [t.detach().clone() for t in tensors]
+        else:
+            torch._foreach_copy_(self._before_last_update, tensors)
+
+    @torch.no_grad()
     def _restore(self) -> None:
         """Counted on every rank alike; ranks that never updated the draft (pipeline ranks without the
         last stage) have nothing to put back."""
         if self._before_last_update is not None:
-            params, optimizer_state = self._before_last_update
-            with torch.no_grad():
-                for p, saved in zip(self.params, params):
-                    p.copy_(saved)
-            self.optimizer.load_state_dict(optimizer_state)
+            saved = self._before_last_update
+            if not self._had_state:  # the update that broke the draft was AdamW's first
+                self.optimizer.state.clear()
+                saved = saved[:len(self.params)]
+            torch._foreach_copy_(self._state_tensors(), saved)
         self.restores += 1
         self.skips_in_a_row = 0
         warnings.warn(f"draft: {self.restore_after} non-finite draft losses in a row; the draft and its optimizer "
