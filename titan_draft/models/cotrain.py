@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from titan_draft.data.packing import PackedBatch, microbatch_ranges
 from titan_draft.models.draft import EagleDraft, Teacher, ttt_loss
@@ -170,9 +171,11 @@ class DraftOptimizer:
         return finite
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        """The parameters, then AdamW's state tensors of each (none before its first step)."""
+        """The parameters, then AdamW's state tensors of each (none before its first step), as this rank's
+        local tensors (foreach copies have no DTensor rule; a state tensor is sharded as its parameter)."""
         state = self.optimizer.state
-        return [*self.params, *(state[p][key] for p in self.params if p in state for key in sorted(state[p]))]
+        tensors = [*self.params, *(state[p][key] for p in self.params if p in state for key in sorted(state[p]))]
+        return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
     @torch.no_grad()
     def _snapshot(self) -> None:
