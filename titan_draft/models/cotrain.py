@@ -141,9 +141,8 @@ class DraftOptimizer:
         self.max_norm, self.restore_after = draft_cfg.max_norm, draft_cfg.restore_after_skips
         self.skipped = self.restores = self.skips_in_a_row = 0
         # The parameters and AdamW's state before the last applied update (restore_after_skips): buffers
-        # kept across updates, refilled by copies, and whether AdamW had any state then.
+        # kept across updates, refilled by copies; only the parameters where AdamW had no state yet.
         self._before_last_update: list[torch.Tensor] | None = None
-        self._had_state = False
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next updates (co-training's, after the warm-up's)."""
@@ -182,7 +181,6 @@ class DraftOptimizer:
         """Copy what _restore puts back into the saved buffers: one foreach copy per update, not a clone of
         every tensor and a deep copy of the optimizer's state dict (the draft's step is launch-bound)."""
         tensors = self._state_tensors()
-        self._had_state = len(tensors) > len(self.params)
         if self._before_last_update is None or len(self._before_last_update) != len(tensors):
             self._before_last_update = [t.detach().clone() for t in tensors]
         else:
@@ -193,11 +191,9 @@ class DraftOptimizer:
         """Counted on every rank alike; ranks that never updated the draft (pipeline ranks without the
         last stage) have nothing to put back."""
         if self._before_last_update is not None:
-            saved = self._before_last_update
-            if not self._had_state:  # the update that broke the draft was AdamW's first
+            if len(self._before_last_update) == len(self.params):  # the update that broke it was AdamW's first
                 self.optimizer.state.clear()
-                saved = saved[:len(self.params)]
-            torch._foreach_copy_(self._state_tensors(), saved)
+            torch._foreach_copy_(self._state_tensors(), self._before_last_update)
         self.restores += 1
         self.skips_in_a_row = 0
         warnings.warn(f"draft: {self.restore_after} non-finite draft losses in a row; the draft and its optimizer "
