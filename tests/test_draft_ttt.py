@@ -158,10 +158,10 @@ def test_ttt_forward_and_loss_match_naive(ttt_steps):
     # product path (emb and taps as leaves, to also check the gradient through DocumentShift)
     emb_a, taps_a = emb.clone().requires_grad_(), taps.clone().requires_grad_()
     shift = DocumentShift(cu)
-    states = draft.ttt_forward(emb_a, taps_a, positions, ttt_steps, shift,
-                               lambda q, k, v, bk, bv: branch_attention(q, k, v, bk, bv, cu_seqlens=cu))
-    total, count, stats = ttt_loss(draft, states, Teacher.from_logits(teacher, draft.target_ids()), loss_mask, shift,
-                                   PASS_DECAY)
+    pass_logits = draft(emb_a, taps_a, positions, ttt_steps, shift,
+                        lambda q, k, v, bk, bv: branch_attention(q, k, v, bk, bv, cu_seqlens=cu))
+    total, count, stats = ttt_loss(draft, pass_logits, Teacher.from_logits(teacher, draft.target_ids()), loss_mask,
+                                   shift, PASS_DECAY)
     loss = total / count
     got = torch.autograd.grad(loss, [*params.values(), emb_a, taps_a])
 
@@ -268,14 +268,14 @@ def test_ttt_loss_counts_valid_pairs_on_hand_example():
     torch.manual_seed(0)
     draft = make_draft(0)
     T, D = 8, 3
-    states = [torch.randn(T, DIM, dtype=F64) for _ in range(D)]
+    pass_logits = [torch.randn(T, draft.args.draft_vocab_size, dtype=F64) for _ in range(D)]
     teacher = Teacher.from_logits(torch.randn(T, TARGET_VOCAB, dtype=F64), draft.target_ids())
-    total, count, stats = ttt_loss(draft, states, teacher, loss_mask, DocumentShift(cu), PASS_DECAY)
+    total, count, stats = ttt_loss(draft, pass_logits, teacher, loss_mask, DocumentShift(cu), PASS_DECAY)
     assert int(count) == sum(expected_per_pass) == 4
     assert [int(n) for _, n, _ in stats] == expected_per_pass
     # the pass with no valid pair contributes nothing, and a loss that only sees pass 1 equals pass 1's sum
     assert float(stats[2][2]) == 0.0
-    total1, _, stats1 = ttt_loss(draft, states[:1], teacher, loss_mask, DocumentShift(cu), PASS_DECAY)
+    total1, _, stats1 = ttt_loss(draft, pass_logits[:1], teacher, loss_mask, DocumentShift(cu), PASS_DECAY)
     torch.testing.assert_close(total1.double(), stats1[0][2].double())
 
 

@@ -47,7 +47,7 @@ def one_process_bf16_step(rank, world_size):
     dims = build_parallel_dims(plan)
     plain = policy_from_args(job_model_args(cfg), seed=cfg.debug.seed)  # the job's initial weights, unwrapped
     job = build_job(cfg, MetricsLogger(cfg.job.dump_folder, enabled=False), plan=plan, dims=dims)
-    wrapped = {name: isinstance(m, FSDPModule) for name, m in (("policy", job.policy), ("draft.fc", job.draft.fc))}
+    wrapped = {name: isinstance(m, FSDPModule) for name, m in (("policy", job.policy), ("draft", job.draft))}
     sharded = all(isinstance(p, DTensor) for p in job.policy.parameters())
     draft_vocab_from_data(job.task, job.draft, torch.Generator().manual_seed(5))
     batch = pack_documents([torch.randint(0, 32, (n,)) for n in (12, 20)], [4, 6])
@@ -69,7 +69,7 @@ def one_process_bf16_step(rank, world_size):
 
 def test_one_process_mixed_precision_is_fsdp_without_dtype_mismatch():
     (result,) = run_distributed(one_process_bf16_step, 1, timeout=300)
-    assert result["wrapped"] == {"policy": True, "draft.fc": True} and result["sharded"]
+    assert result["wrapped"] == {"policy": True, "draft": True} and result["sharded"]
     assert result["amp"] == "nullcontext"  # FSDP casts: no autocast around the forwards
     assert result["autocast_warnings"], "autocast with float32 norms no longer warns: the check below proves nothing"
     assert result["warnings"] == []

@@ -72,10 +72,10 @@ def single_process(policy, draft, tokens, labels):
         logits = forward_packed(policy, batch)
     policy_loss = F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE, reduction="sum") / trained.sum()
     shift = DocumentShift(batch.cu_seqlens)
-    states = draft.ttt_forward(rec.embeddings(), rec.taps(), batch.positions, SPEC.ttt_steps, shift,
-                               partial(branch_attention, cu_seqlens=batch.cu_seqlens))
+    pass_logits = draft(rec.embeddings(), rec.taps(), batch.positions, SPEC.ttt_steps, shift,
+                        partial(branch_attention, cu_seqlens=batch.cu_seqlens))
     teacher = Teacher.from_logits(logits, draft.target_ids())
-    total, count, _ = ttt_loss(draft, states, teacher, batch.loss_mask, shift, SPEC.pass_decay)
+    total, count, _ = ttt_loss(draft, pass_logits, teacher, batch.loss_mask, shift, SPEC.pass_decay)
     draft_loss = total / count
     (policy_loss + SPEC.loss_weight * draft_loss).backward()
     return policy_loss.item(), draft_loss.item()

@@ -42,9 +42,9 @@ def loss_and_grads(draft, emb, taps, teacher, mask, ttt_steps):
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     positions = torch.cat([torch.arange(n) for n in LENGTHS])
     shift = DocumentShift(cu)
-    states = draft.ttt_forward(emb, taps, positions, ttt_steps, shift,
-                               lambda q, k, v, bk, bv: branch_attention(q, k, v, bk, bv, cu_seqlens=cu))
-    total, count, stats = ttt_loss(draft, states, Teacher.from_logits(teacher, draft.target_ids()), mask, shift, 0.8)
+    pass_logits = draft(emb, taps, positions, ttt_steps, shift,
+                        lambda q, k, v, bk, bv: branch_attention(q, k, v, bk, bv, cu_seqlens=cu))
+    total, count, stats = ttt_loss(draft, pass_logits, Teacher.from_logits(teacher, draft.target_ids()), mask, shift, 0.8)
     (total / count).backward()
     grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
              for n, p in draft.named_parameters()}

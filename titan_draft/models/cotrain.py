@@ -43,9 +43,9 @@ def draft_loss(draft: EagleDraft, features: "DraftFeatures", spec: CoTrainSpec, 
     rows attend and shift (whole, or a context-parallel shard)."""
     batch = features.batch
     shift = batch.shift(spec.ttt_steps)
-    states = draft.ttt_forward(features.emb.detach(), features.taps.detach(), batch.positions, spec.ttt_steps,
-                               shift, batch.draft_attention)
-    total, _, stats = ttt_loss(draft, states, features.teacher, batch.loss_mask, shift, spec.pass_decay)
+    pass_logits = draft(features.emb.detach(), features.taps.detach(), batch.positions, spec.ttt_steps, shift,
+                        batch.draft_attention)
+    total, _, stats = ttt_loss(draft, pass_logits, features.teacher, batch.loss_mask, shift, spec.pass_decay)
     per_pass = torch.stack([torch.stack(s) for s in stats]).double()  # exact counts; sums over micro-batches
     return total * scale / count.clamp(min=1), per_pass
 

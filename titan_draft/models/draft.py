@@ -185,6 +185,13 @@ class EagleDraft(nn.Module):
             states.append(hidden)
         return states
 
+    def forward(self, emb: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor, ttt_steps: int,
+                shift: ShiftFn, attn_fn: AttnFn) -> list[torch.Tensor]:
+        """The training forward: draft-vocabulary logits [T, V_draft] of every pass (ttt_forward's states
+        through the head), what ttt_loss scores. One call is the whole draft's work in a training step, so
+        FSDP2 wraps the draft as one unit (parallelize_draft): one gather and one reduction per step."""
+        return [self.logits(hidden) for hidden in self.ttt_forward(emb, taps, positions, ttt_steps, shift, attn_fn)]
+
 
 @dataclass
 class Teacher:
@@ -217,24 +224,25 @@ class Teacher:
         return cls(torch.cat([t.logits for t in teachers]), torch.cat([t.argmax for t in teachers]))
 
 
-def ttt_loss(draft: EagleDraft, states: list[torch.Tensor], teacher: Teacher, loss_mask: torch.Tensor,
+def ttt_loss(draft: EagleDraft, pass_logits: list[torch.Tensor], teacher: Teacher, loss_mask: torch.Tensor,
              shift: ShiftFn, pass_decay: float):
     """Soft cross-entropy of every pass against the policy, restricted to the draft vocabulary.
 
-    teacher: the policy's rows (Teacher); loss_mask [T] marks rows whose next token is trained.
+    pass_logits: the draft's logits of passes 1..D (EagleDraft.forward); teacher: the policy's rows
+    (Teacher); loss_mask [T] marks rows whose next token is trained.
     Pass d at anchor i is trained on teacher row i + d when that row is in the same document and
     masked in. Returns (weighted loss SUM, number of valid (anchor, pass) pairs, per-pass stats)
     so that callers normalise by the count over all ranks and micro-batches.
     """
     target_ids = draft.target_ids()
     # float32 arithmetic for bf16/fp16 drafts, but never below the draft's own precision (float64 tests).
-    dtype = torch.promote_types(states[0].dtype, torch.float32) if states else torch.float32
+    dtype = torch.promote_types(pass_logits[0].dtype, torch.float32) if pass_logits else torch.float32
     total = teacher.logits.new_zeros((), dtype=dtype)
     count = teacher.logits.new_zeros((), dtype=torch.float32)
     stats = []
-    for d, hidden in enumerate(states, start=1):
+    for d, logits in enumerate(pass_logits, start=1):
         valid = shift(loss_mask.to(torch.float32), d) > 0
-        logits = draft.logits(hidden).to(dtype)
+        logits = logits.to(dtype)
         target = F.softmax(shift(teacher.logits, d).to(dtype), dim=-1)
         ce, best = soft_cross_entropy(logits, target, draft.vocab_parallel_group)
         n = valid.sum()

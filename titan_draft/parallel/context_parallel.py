@@ -9,7 +9,7 @@ is then sharded by `shard_batch_for_cp`, and the shard carries what its rows nee
     local = shard_batch_for_cp(batch, cp_mesh, cfg.draft.cp_mode)   # this rank's zigzag rows
     logits = forward_packed(policy, local)        # metadata = local.attention_cu_seqlens (global)
     shift = local.shift(D)                        # next rows across shard edges (HaloShift)
-    states = draft.ttt_forward(emb, taps, local.positions, D, shift, local.draft_attention)
+    pass_logits = draft(emb, taps, local.positions, D, shift, local.draft_attention)
     loss = loss_sum / (count summed over cp)      # the same normaliser as at CP = 1
 
 The gradients of parameters replicated over CP are summed over the CP group by FSDP (torchtitan

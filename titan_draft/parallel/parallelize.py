@@ -272,12 +272,10 @@ def parallelize_draft(draft: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
     if fsdp_wraps(dims, cfg.training.mixed_precision_param, _compat.device()):
         mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],
                                   reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce])
-        # The draft is driven through its methods (ttt_forward, logits), never its forward(): the
-        # FSDP units are the submodules those methods call.
-        layer = draft.midlayer
-        for module in (draft.fc, layer.input_layernorm, layer.hidden_norm, *layer.self_attn.children(),
-                       layer.post_attention_layernorm, layer.mlp, draft.norm, draft.lm_head):
-            fully_shard(module, mesh=_fsdp_mesh(dims), mp_policy=mp)
+        # One unit: a training step calls the draft's forward once (every TTT pass and its logits), so
+        # its parameters are gathered once and its gradients reduced once. A unit per submodule ran
+        # FSDP's hooks for every call of every pass, which made the small draft's step host-bound.
+        fully_shard(draft, mesh=_fsdp_mesh(dims), mp_policy=mp)
         _average_over_dp(draft, dims)
         _compat.fix_fsdp_reduce_ops(draft)
     return draft
