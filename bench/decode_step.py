@@ -118,7 +118,7 @@ def target_step(engine: RolloutEngine, batch: int, k: int, *, context: int, temp
     tokens = torch.zeros(batch, k + 1, dtype=torch.long, device=device)
     positions = torch.arange(k + 1, device=device) + context - 1
     positions = positions.expand(batch, -1)
-    width = cache_width(engine.slots, context + engine.max_k)
+    width = cache_width(engine.row_state.slots, context + engine.max_k)
     draft_ids = torch.zeros(batch, k, dtype=torch.long, device=device)
     draft_logits = torch.zeros(batch, k, len(engine._target_ids), dtype=engine.dtype, device=device)
 
