@@ -15,7 +15,8 @@ from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.rollout import EngineOptions, GoodputController, RolloutEngine, probs_from_logits
 from titan_draft.rollout.cached_model import _attend_folded, block_forward, compile_for_decoding
-from titan_draft.rollout.engine import StepShape
+from titan_draft.rollout.graphs import StepShape
+from titan_draft.rollout.measure import measure_steps
 from titan_draft.rollout.weights import weights_need_collective
 
 DEVICE = _compat.device()  # the engine runs where the policy does: the CUDA path on a GPU machine
@@ -669,7 +670,7 @@ def test_measurement_uses_every_step_shape_the_call_uses_where_steps_read_live_s
     engine = engine_for(policy, draft, 4)
     engine.steps_read_live_slots = True
     engine.reserve(3, 7 + 30 + engine.max_k + 1)
-    engine.measure_steps(3, 3, 0.0, 1.0, 7)
+    measure_steps(engine, 3, 3, 0.0, 1.0, 7)
     engine._measured.add((3, 3, 0.0, 1.0))  # the call below measures no more
     measured = set(engine.graphs.uses)
     assert {key.width for key in measured if isinstance(key, StepShape)} == {engine.row_state.slots}

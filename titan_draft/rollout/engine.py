@@ -6,8 +6,10 @@ the decode step. Its parts, one idea per file of titan_draft/rollout/:
   the draft with their KV caches; cached forwards and decode attention (`CachedModels`);
 - row_state.py: the rows' per-slot buffers (tokens, lengths, the draft's hidden state and staged
   taps, ...), the status vector the loop reads (`StepStatus`) and compaction (`RowState`);
-- graphs.py: CUDA-graph capture and replay of the engine's calls, per key (`StepGraphs`);
+- graphs.py: CUDA-graph capture and replay of the engine's calls, per key (`StepGraphs`), and the
+  decode step's key (`StepShape`);
 - goodput.py: adaptive K (`GoodputController`) and step timing;
+- measure.py: adaptive K's up-front measurement of a new batch size (`measure_steps`);
 - weights.py: refreshing the inference copies from the trained modules (`load_weights`);
 - sampling.py: sampling and the acceptance rule from logits (what the steps run), beside their
   dense reference on probabilities over the vocabulary.
@@ -68,8 +70,8 @@ each row's slots on CUDA (ops/decode_attention.py), the first `cache_width` slot
 prefill (cached_model.py); on CUDA the policy's blocks are compiled (`EngineOptions.compile`).
 Sampling and acceptance start from the logits: float32 work over the target vocabulary is one
 position per row (sampling.py). Adaptive K captures and times every step shape of a new batch
-size once, before that call's prefill (`measure_steps`), so rollouts neither explore nor capture
-(docs/DESIGN.md 4.4).
+size once, before that call's prefill (`measure.measure_steps`), so rollouts neither explore nor
+capture (docs/DESIGN.md 4.4).
 """
 import time
 from contextlib import nullcontext
@@ -85,7 +87,8 @@ from titan_draft.models.draft import DraftArgs
 from titan_draft.rollout.cached_model import (DECODE_KERNEL_MAX_QUERIES, CachedModels, cache_width,
                                               compile_for_decoding)
 from titan_draft.rollout.goodput import GoodputController
-from titan_draft.rollout.graphs import StepGraphs
+from titan_draft.rollout.graphs import StepGraphs, StepShape
+from titan_draft.rollout.measure import measure_call
 from titan_draft.rollout.row_state import RowState
 from titan_draft.rollout.sampling import (AcceptRule, RowNoise, accept_drawn, check_sampling_args, log_normalisers,
                                           sample_from_logits, speculative_accept_from_logits)
@@ -94,8 +97,6 @@ from titan_draft.rollout.weights import copy_weights, weights_need_collective
 # The state buffers' cache slots are a multiple of this (RolloutEngine.reserve): calls of similar
 # budgets share buffers and captured steps.
 SLOT_ROUNDING = 128
-# Timed replays per decode-step shape when adaptive K measures a new batch size (median kept).
-MEASURED_STEPS = 3
 
 
 @dataclass
@@ -143,24 +144,6 @@ class RolloutResult:
     call_ratios: dict = field(default_factory=dict)
     """Adaptive K's call ratios after this call (GoodputController.call_ratio), by kind: "drafting",
     "plain"; a kind's entry only once a call of it was timed; empty without adaptive K."""
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """The static shape of a decode step (its CUDA graph key)."""
-    full: int
-    """Rows of the call: random numbers are drawn for all of them (RowNoise)."""
-    rows: int
-    """Slots the step runs: the active-row bucket."""
-    k: int
-    """Draft tokens."""
-    temperature: float
-    top_p: float
-    stage: bool
-    """A K = 0 step keeps its taps for the draft's trunk (adaptive K)."""
-    width: int
-    """Cache slots its attention may read (RolloutEngine._step_width): on CUDA all of them, the decode
-    kernel's chunk count."""
 
 
 @dataclass(frozen=True)
@@ -241,7 +224,7 @@ class RolloutEngine:
         self.graphs = StepGraphs(options.cuda_graphs and self.device.type == "cuda", self._rng)
         self.controller = GoodputController(self.max_k)
         self._measured: set[tuple] = set()  # (rows, K, temperature, top_p) of adaptive calls measured
-        self.draft_prefill_s_per_token = 0.0  # the draft's trunk over prompts (_measure_call)
+        self.draft_prefill_s_per_token = 0.0  # the draft's trunk over prompts (measure.measure_call)
         # Decode steps and flushes (at most max_k + 1 queries per row) attend through the decode
         # kernel, which reads each row's live slots only (cached_model._attend): see _step_width.
         self.steps_read_live_slots = (self.device.type == "cuda"
@@ -516,72 +499,6 @@ class RolloutEngine:
         calls, not B0: this runs before every adaptive call)."""
         return sorted({self._bucket(running, B0) for running in (*(1 << i for i in range(B0.bit_length())), B0)})
 
-    def measure_steps(self, B0: int, K: int, temperature: float, top_p: float, length: int,
-                      repeats: int = MEASURED_STEPS) -> dict[tuple[int, int], float]:
-        """Capture (on CUDA) and time every decode step a call of B0 rows can run with rows of
-        `length` tokens, each active-row bucket with k = 0..K drafts: {(bucket, k): median seconds
-        of `repeats` replays}, also given to the controller, so that adaptive K starts from
-        measured costs (exploring inside rollouts instead ran each new shape eagerly, then captured
-        it, at tens of ms apiece on the H200, against ~1 ms per replayed step). On CUDA these are
-        all the step shapes and flushes of the call (their width is all slots: _step_width); elsewhere
-        they are timed at the prompts' width.
-        Runs on a dummy state (every row finishes at its first step, so no slot past length + K is
-        written), before a call's prefill and before the call seeds its generator: the call's
-        tokens do not depend on it. The state buffers must hold B0 rows of length + max_k + 1 slots."""
-        width = self._step_width(length)
-        costs = {}
-        state = self.row_state
-        state.tokens[:B0].zero_()
-        state.lengths[:B0] = length
-        state.limit[:B0] = length + 1
-        state.done[:B0] = False
-        state.row_of_slot[:B0] = torch.arange(B0, device=self.device)
-        state.hidden[:B0].zero_()
-        timer = DeviceTimer(self.device)
-        for bucket in self._buckets(B0):
-            state.counts.staged.fill_(1)
-            self.graphs.capture_at_next_use(("flush", bucket, width))
-            self.graphs.run(("flush", bucket, width), partial(self._flush_staged, bucket, width))
-            for k in range(K + 1):
-                shape = StepShape(B0, bucket, k, temperature, top_p, stage=not k, width=width)
-                self.graphs.capture_at_next_use(shape)
-                seconds = []
-                while len(seconds) < repeats:
-                    state.counts.staged.zero_()  # a K = 0 step stages into slot 0
-                    with timer():
-                        first = self.graphs.run(shape, partial(self._decode_step, shape))
-                    state.status.tolist()  # the loop's host sync, as in a call
-                    step_seconds = timer.pop_seconds()
-                    if not first:
-                        seconds.append(step_seconds)
-                costs[bucket, k] = sorted(seconds)[len(seconds) // 2]
-                self.controller.observe_cost(bucket, k, costs[bucket, k])
-            # The step of a call that adaptive K runs as plain decoding (no taps staged): captured
-            # too, so that the first such calls do not run eagerly and look slower than they are.
-            plain = StepShape(B0, bucket, 0, temperature, top_p, stage=False, width=width)
-            self.graphs.capture_at_next_use(plain)
-            self.graphs.run(plain, partial(self._decode_step, plain))
-        state.counts.staged.zero_()
-        return costs
-
-    def _measure_draft_prefill(self, B: int, P: int) -> float:
-        """Median seconds per prompt token of the draft's trunk over B dummy prompts of P tokens, as
-        prefill runs it (what a drafting call adds to plain decoding's prefill; the first run compiles
-        or warms up). Its inputs are the size of the prefill's own taps."""
-        width = cache_width(self.row_state.slots, P)
-        next_emb = self.policy.tok_embeddings(self.row_state.tokens[:B, 1:P + 1])
-        taps = torch.zeros(B, P, self.row_state.staged_taps.shape[-1], dtype=self.dtype, device=self.device)
-        start, count = (torch.full((B,), n, dtype=torch.long, device=self.device) for n in (0, P))
-        seconds = [timed(lambda: self._draft_extend(next_emb, taps, start, count, width), self.device)[0]
-                   for _ in range(MEASURED_STEPS + 1)]
-        return sorted(seconds[1:])[MEASURED_STEPS // 2] / (B * P)
-
-    def _measure_call(self, B: int, K: int, temperature: float, top_p: float, P: int) -> None:
-        """What adaptive K reads, measured once per batch size before a call's prefill: every step shape
-        (measure_steps, at the prompts' length) and the draft's prefill over the prompts."""
-        self.measure_steps(B, K, temperature, top_p, P)
-        self.draft_prefill_s_per_token = self._measure_draft_prefill(B, P)
-
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor | list[torch.Tensor], max_new_tokens: int, *,
                  num_speculative_tokens: int, adaptive: bool = False, temperature: float = 1.0,
@@ -604,7 +521,8 @@ class RolloutEngine:
         self.reserve(B, total + self.max_k + 1)
         seed_device = generator.device if generator is not None else "cpu"
         if adaptive and (B, K, temperature, top_p) not in self._measured:
-            timing["measure_s"], _ = timed(lambda: self._measure_call(B, K, temperature, top_p, P), self.device)
+            timing["measure_s"], self.draft_prefill_s_per_token = timed(
+                lambda: measure_call(self, B, K, temperature, top_p, P), self.device)
             self._measured.add((B, K, temperature, top_p))
         drafts = K  # the call's most drafts per step: 0 runs plain decoding (no draft prefill, no taps kept)
         if adaptive:
