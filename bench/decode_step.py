@@ -5,7 +5,7 @@ Per batch size B, as the engine runs them (CUDA graphs on CUDA), side by side in
 - plain_step_ms: the policy's forward of one position per row, then sampling (a K = 0 step's target work);
 - verify_step_ms[K]: the forward of K + 1 positions per row, then the acceptance rule;
 - decode_step_ms[K]: the engine's whole step with K drafts (drafting, verify, acceptance, the
-  draft's trunk extension: `RolloutEngine.measure_steps`);
+  draft's trunk extension: `rollout.measure.measure_steps`);
 - roofline_ms: the bytes a plain step must read (every weight but the embedding table, that table's
   B rows, and the live KV cache: B rows x `--context` positions) over the read bandwidth measured
   in the same run (`x.sum()` over a buffer of the weights' size, best of 10).
@@ -38,7 +38,8 @@ from titan_draft.parallel.parallelize import compute_dtype
 from titan_draft.plan import build_plan
 from titan_draft.rollout import EngineOptions, RolloutEngine
 from titan_draft.rollout.cached_model import cache_width
-from titan_draft.rollout.engine import StepShape
+from titan_draft.rollout.graphs import StepShape
+from titan_draft.rollout.measure import measure_steps
 from titan_draft.rollout.sampling import sample_from_logits
 
 PRESETS = {
@@ -118,7 +119,7 @@ def target_step(engine: RolloutEngine, batch: int, k: int, *, context: int, temp
     tokens = torch.zeros(batch, k + 1, dtype=torch.long, device=device)
     positions = torch.arange(k + 1, device=device) + context - 1
     positions = positions.expand(batch, -1)
-    width = cache_width(engine.slots, context + engine.max_k)
+    width = cache_width(engine.row_state.slots, context + engine.max_k)
     draft_ids = torch.zeros(batch, k, dtype=torch.long, device=device)
     draft_logits = torch.zeros(batch, k, len(engine._target_ids), dtype=engine.dtype, device=device)
 
@@ -200,7 +201,7 @@ def step_costs(engine: RolloutEngine, batch: int, context: int, temperature: flo
     seconds = partial(median_time, warmup=1, iters=repeats, device=engine.device, queued=True)
     plain = seconds(target(0))[0]
     verify = {k: seconds(target(k))[0] for k in range(1, engine.max_k + 1)}
-    steps = engine.measure_steps(batch, engine.max_k, temperature, top_p, context, repeats=repeats)
+    steps = measure_steps(engine, batch, engine.max_k, temperature, top_p, context, repeats=repeats)
     nbytes = plain_step_bytes(engine, batch, context)
     roofline_ms = None if bandwidth is None else 1e3 * nbytes / bandwidth
     return dict(plain_step_ms=1e3 * plain, verify_step_ms={k: 1e3 * s for k, s in verify.items()},

@@ -11,7 +11,7 @@ initialisation (no warm start) and every probe is the worst case: each rollout a
 prompt + the whole answer budget). A probe of N rollouts (N / group_size prompts of the task) runs:
   rollout phase: the engine's weight refresh and its buffers for N rows at full length, every decode
     step a call of N rows can run (each row bucket, 0..K drafts) captured and run at full length
-    (RolloutEngine.measure_steps, as adaptive K's first call at a batch size does), the prompts'
+    (rollout.measure.measure_steps, as adaptive K's first call at a batch size does), the prompts'
     prefill; then the caches are given back if rollout.release_caches says so (as collect_rollouts).
     Not run: the decode loop itself, whose compaction gathers one buffer's running rows at a time (a
     transient below one layer's KV cache);
@@ -61,6 +61,7 @@ from bench._job import add_job_arguments, job_config, new_job, random_rollouts, 
 from titan_draft.data.tasks import Prompts
 from titan_draft.data.tasks.base import response_budget
 from titan_draft.infra.timing import PhasePeak
+from titan_draft.rollout.measure import measure_steps
 from titan_draft.train import RLState, Rollouts, train_step
 
 # The test's preset: bench.rl_step's tiny sizes with every lever on (one chunk of 8 rows, micro-batches of
@@ -124,7 +125,7 @@ def rollout_phase(s: RLState, prompts: Prompts, budget: int) -> None:
     rows, longest = len(prompts), int(prompts.lengths().max())
     engine.reserve(rows, longest + budget + engine.max_k + 1)  # what generate reserves for this budget
     # The longest a running row gets is longest + budget - 1 tokens; one measured replay per step is enough.
-    engine.measure_steps(rows, ro.num_speculative_tokens, ro.temperature, ro.top_p, longest + budget - 1, repeats=1)
+    measure_steps(engine, rows, ro.num_speculative_tokens, ro.temperature, ro.top_p, longest + budget - 1, repeats=1)
     engine.generate(prompts.ids, 1, num_speculative_tokens=ro.num_speculative_tokens, temperature=ro.temperature,
                     top_p=ro.top_p, eos_id=s.job.task.tokenizer.eos_id, generator=s.job.generators["rollout"])
     if ro.release_caches:

@@ -225,7 +225,7 @@ def test_memory_table_rollout_phase_holds_full_length_rows_as_release_caches_say
         if release:
             assert engine.cache_bytes == 0
         else:  # kept for training: 8 rows of the longest prompt + the budget + a verify window (as generate sizes them)
-            assert engine.buffer_rows == 8 and engine.slots >= rollouts.tokens.shape[1] + engine.max_k + 1
+            assert engine.row_state.rows == 8 and engine.row_state.slots >= rollouts.tokens.shape[1] + engine.max_k + 1
 
 
 def test_memory_table_tiny_probes_end_to_end(tmp_path):

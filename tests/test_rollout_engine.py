@@ -15,7 +15,8 @@ from titan_draft.models.draft import EagleDraft, draft_args_for
 from titan_draft.models.policy import TapRecorder, build_policy, forward_packed, model_args
 from titan_draft.rollout import EngineOptions, GoodputController, RolloutEngine, probs_from_logits
 from titan_draft.rollout.cached_model import _attend_folded, block_forward, compile_for_decoding
-from titan_draft.rollout.engine import StepShape
+from titan_draft.rollout.graphs import StepShape
+from titan_draft.rollout.measure import measure_steps
 from titan_draft.rollout.weights import weights_need_collective
 
 DEVICE = _compat.device()  # the engine runs where the policy does: the CUDA path on a GPU machine
@@ -185,13 +186,13 @@ def test_draft_state_after_prefill_and_stage_flush_equals_training_time_test():
                               generator=torch.Generator().manual_seed(new_tokens))
         assert out.steps_per_k.tolist() == [new_tokens - 1, 0, 0, 0]
         if new_tokens > 1:
-            engine._flush_staged(len(prompts), engine.slots)
+            engine._flush_staged(len(prompts), engine.row_state.slots)
         seqs = [out.tokens[b, : len(p) + new_tokens] for b, p in enumerate(prompts)]
         _, ref_taps, ref_emb, batch = reference_logits(policy, seqs)
         with torch.no_grad():
             (states,) = draft.ttt_forward(ref_emb, ref_taps, batch.positions, 1, batch.shift(1), batch.draft_attention)
         last_anchor = batch.cu_seqlens[1:].long() - 2  # the last token of each row has no next token
-        torch.testing.assert_close(engine._hidden[: len(prompts)], states[last_anchor], rtol=0, atol=1e-10)
+        torch.testing.assert_close(engine.row_state.hidden[: len(prompts)], states[last_anchor], rtol=0, atol=1e-10)
 
 
 def reference_greedy(policy, prompt, max_new_tokens, eos_id):
@@ -320,9 +321,9 @@ def test_caches_after_rollback_equal_fresh_prefill(schedule):
     assert out.acceptance_length < K + 1  # there were rejections
     widths = {key.width for key in engine.graphs.uses if isinstance(key, StepShape)}
     if engine.steps_read_live_slots:  # the decode kernel reads each row's live slots at any width
-        assert widths == {engine.slots}
+        assert widths == {engine.row_state.slots}
     else:  # early steps attended only the first slots of the caches
-        assert min(widths) < engine.slots
+        assert min(widths) < engine.row_state.slots
     fresh = engine_for(policy, draft, B)
     seqs = out.tokens.to(DEVICE).clamp(max=VOCAB - 1)  # the eos fill past the ends is never attended
     width = seqs.shape[1]
@@ -669,10 +670,10 @@ def test_measurement_uses_every_step_shape_the_call_uses_where_steps_read_live_s
     engine = engine_for(policy, draft, 4)
     engine.steps_read_live_slots = True
     engine.reserve(3, 7 + 30 + engine.max_k + 1)
-    engine.measure_steps(3, 3, 0.0, 1.0, 7)
+    measure_steps(engine, 3, 3, 0.0, 1.0, 7)
     engine._measured.add((3, 3, 0.0, 1.0))  # the call below measures no more
     measured = set(engine.graphs.uses)
-    assert {key.width for key in measured if isinstance(key, StepShape)} == {engine.slots}
+    assert {key.width for key in measured if isinstance(key, StepShape)} == {engine.row_state.slots}
     got = engine.generate(prompts, 30, num_speculative_tokens=3, adaptive=True, temperature=0, eos_id=NEVER)
     used = {key for key in engine.graphs.uses if key not in measured or engine.graphs.uses[key] > 1}
     steps = {key for key in used if isinstance(key, StepShape) or key[0] == "flush"}
@@ -779,24 +780,24 @@ def test_buffers_are_sized_by_the_calls_and_released_without_changing_a_sample()
                                generator=torch.Generator().manual_seed(new_tokens))
 
     short = call(3, 20)  # 7 + 20 + 3 + 1 = 31 slots -> 128
-    assert (engine.buffer_rows, engine.slots) == (3, 128)
+    assert (engine.row_state.rows, engine.row_state.slots) == (3, 128)
     assert engine.cache_bytes == expected_buffer_bytes(engine, 3, 128)
     cache = engine.k_cache[0]
     single = call(1, 20)
-    assert engine.k_cache[0] is cache and engine.buffer_rows == 3  # a smaller batch fits
+    assert engine.k_cache[0] is cache and engine.row_state.rows == 3  # a smaller batch fits
     del cache
 
     allocated = torch.cuda.memory_allocated(DEVICE) if DEVICE.type == "cuda" else 0
     held = engine.cache_bytes
     engine.release_caches()
-    assert (engine.cache_bytes, engine.buffer_rows, engine.slots, engine.k_cache) == (0, 0, 0, [])
+    assert (engine.cache_bytes, engine.row_state.rows, engine.row_state.slots, engine.k_cache) == (0, 0, 0, [])
     assert not engine.graphs.steps  # no captured step reads the released buffers
     if DEVICE.type == "cuda":  # the buffers went back to the allocator
         assert allocated - torch.cuda.memory_allocated(DEVICE) >= held
     assert torch.equal(call(3, 20).tokens, short.tokens)  # allocated again
 
     long = call(3, 150)  # 7 + 150 + 4 = 161 slots: new buffers
-    assert (engine.buffer_rows, engine.slots) == (3, 256)
+    assert (engine.row_state.rows, engine.row_state.slots) == (3, 256)
     assert engine.cache_bytes == expected_buffer_bytes(engine, 3, 256)
     fresh = engine_for(policy, draft, 4, max_seq_len=300, max_speculative_tokens=3)
     assert torch.equal(fresh.generate(prompts, 150, num_speculative_tokens=3, temperature=1.0, eos_id=6,
@@ -804,7 +805,7 @@ def test_buffers_are_sized_by_the_calls_and_released_without_changing_a_sample()
     cache = engine.k_cache[0]
     assert torch.equal(call(3, 20).tokens, short.tokens)  # the shorter call after it reuses its buffers
     assert torch.equal(call(1, 20).tokens, single.tokens)
-    assert engine.k_cache[0] is cache and engine.slots == 256
+    assert engine.k_cache[0] is cache and engine.row_state.slots == 256
     assert (long.response_lengths < 150).any()  # eos ended rows (on CPU and CUDA inits alike)
 
 

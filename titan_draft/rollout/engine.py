@@ -1,11 +1,15 @@
 """Speculative rollout engine: EAGLE-3 drafting and lossless verification with KV caches.
 
 gpt-fast style, plain PyTorch. This file is the decode loop: `RolloutEngine.generate`, prefill,
-the decode step, compaction. Its parts, one idea per file of titan_draft/rollout/:
+the decode step. Its parts, one idea per file of titan_draft/rollout/:
 - cached_model.py: the inference copies of the policy (a torchtitan llama3 / qwen3 model) and of
   the draft with their KV caches; cached forwards and decode attention (`CachedModels`);
-- graphs.py: CUDA-graph capture and replay of the engine's calls, per key (`StepGraphs`);
+- row_state.py: the rows' per-slot buffers (tokens, lengths, the draft's hidden state and staged
+  taps, ...), the status vector the loop reads (`StepStatus`) and compaction (`RowState`);
+- graphs.py: CUDA-graph capture and replay of the engine's calls, per key (`StepGraphs`), and the
+  decode step's key (`StepShape`);
 - goodput.py: adaptive K (`GoodputController`) and step timing;
+- measure.py: adaptive K's up-front measurement of a new batch size (`measure_steps`);
 - weights.py: refreshing the inference copies from the trained modules (`load_weights`);
 - sampling.py: sampling and the acceptance rule from logits (what the steps run), beside their
   dense reference on probabilities over the vocabulary.
@@ -38,10 +42,10 @@ gives the buffers and the captured steps back (the weights stay), e.g. while the
 
 Finished rows stop costing compute: row state lives in slots. When the running rows fit a smaller
 bucket (power of two), they are gathered to the front of every slot buffer (caches, tokens,
-lengths, ...), the finished rows' outputs having been saved first, and later steps run on the
-bucket; `_row_of_slot` maps slots to rows. Random numbers are drawn at the call's full batch shape
-and indexed by that map (`RowNoise`), so a row samples the same tokens with or without compaction
-(the draws keep their full-batch cost; the model work shrinks).
+lengths, ...: `RowState.compact`), the finished rows' outputs having been saved first, and later
+steps run on the bucket; `RowState.row_of_slot` maps slots to rows. Random numbers are drawn at the
+call's full batch shape and indexed by that map (`RowNoise`), so a row samples the same tokens with
+or without compaction (the draws keep their full-batch cost; the model work shrinks).
 
 Adaptive K (`generate(adaptive=True)`): before each step `GoodputController` picks the number of
 drafts 0..K with the most expected tokens per second at the current bucket, from online acceptance
@@ -66,8 +70,8 @@ each row's slots on CUDA (ops/decode_attention.py), the first `cache_width` slot
 prefill (cached_model.py); on CUDA the policy's blocks are compiled (`EngineOptions.compile`).
 Sampling and acceptance start from the logits: float32 work over the target vocabulary is one
 position per row (sampling.py). Adaptive K captures and times every step shape of a new batch
-size once, before that call's prefill (`measure_steps`), so rollouts neither explore nor capture
-(docs/DESIGN.md 4.4).
+size once, before that call's prefill (`measure.measure_steps`), so rollouts neither explore nor
+capture (docs/DESIGN.md 4.4).
 """
 import time
 from contextlib import nullcontext
@@ -83,18 +87,16 @@ from titan_draft.models.draft import DraftArgs
 from titan_draft.rollout.cached_model import (DECODE_KERNEL_MAX_QUERIES, CachedModels, cache_width,
                                               compile_for_decoding)
 from titan_draft.rollout.goodput import GoodputController
-from titan_draft.rollout.graphs import StepGraphs
+from titan_draft.rollout.graphs import StepGraphs, StepShape
+from titan_draft.rollout.measure import measure_call
+from titan_draft.rollout.row_state import RowState
 from titan_draft.rollout.sampling import (AcceptRule, RowNoise, accept_drawn, check_sampling_args, log_normalisers,
                                           sample_from_logits, speculative_accept_from_logits)
 from titan_draft.rollout.weights import copy_weights, weights_need_collective
 
-# Counters at the head of the engine's status vector: StepStatus's scalar fields.
-STATUS_COUNTS = 5
 # The state buffers' cache slots are a multiple of this (RolloutEngine.reserve): calls of similar
 # budgets share buffers and captured steps.
 SLOT_ROUNDING = 128
-# Timed replays per decode-step shape when adaptive K measures a new batch size (median kept).
-MEASURED_STEPS = 3
 
 
 @dataclass
@@ -144,55 +146,6 @@ class RolloutResult:
     "plain"; a kind's entry only once a call of it was timed; empty without adaptive K."""
 
 
-@dataclass
-class StepStatus:
-    """The counters the decode loop reads once per step, by name: the fields of one device vector
-    (its layout is the fields' order), as views of it (`split` of the tensor: prefill and the steps
-    write them in place) or as its host copy (`read`: the loop's one host sync per step)."""
-    running: int | torch.Tensor
-    """Rows not finished."""
-    verify_rows: int | torch.Tensor
-    """Row verify steps of the call (a step counts once for every row running at its start)."""
-    emitted: int | torch.Tensor
-    """Tokens emitted by the call's verify steps."""
-    longest: int | torch.Tensor
-    """The longest row's length."""
-    staged: int | torch.Tensor
-    """K = 0 steps whose taps wait in the staged buffer for the draft's trunk (adaptive K)."""
-    accepted_per_position: list[int] | torch.Tensor
-    """[max_k]: row verify steps that accepted draft k."""
-    drafted_per_position: list[int] | torch.Tensor
-    """[max_k]: row verify steps that proposed draft k."""
-
-    @classmethod
-    def split(cls, status, max_k: int) -> "StepStatus":
-        """The fields of status (a tensor of STATUS_COUNTS + 2 max_k entries, or a list of them)."""
-        head, mid = STATUS_COUNTS, STATUS_COUNTS + max_k
-        return cls(*status[:head], status[head:mid], status[mid:])
-
-    @classmethod
-    def read(cls, status: torch.Tensor, max_k: int) -> "StepStatus":
-        return cls.split(status.tolist(), max_k)
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """The static shape of a decode step (its CUDA graph key)."""
-    full: int
-    """Rows of the call: random numbers are drawn for all of them (RowNoise)."""
-    rows: int
-    """Slots the step runs: the active-row bucket."""
-    k: int
-    """Draft tokens."""
-    temperature: float
-    top_p: float
-    stage: bool
-    """A K = 0 step keeps its taps for the draft's trunk (adaptive K)."""
-    width: int
-    """Cache slots its attention may read (RolloutEngine._step_width): on CUDA all of them, the decode
-    kernel's chunk count."""
-
-
 @dataclass(frozen=True)
 class EngineOptions:
     """A RolloutEngine's draft capacity and speed switches (the defaults suit training rollouts).
@@ -227,6 +180,22 @@ def compiled_accept_rule() -> AcceptRule:
     return compile_for_decoding(partial(accept_drawn, log_normalisers_fn=log_normalisers), dynamic=False)
 
 
+def prompt_batch(prompts, eos_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompts right-padded with eos_id [B, max p_b] on `device`, p_b [B] on the host)."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2 or prompts.dtype != torch.int64:
+            raise ValueError(f"prompts must be an int64 [B, P] tensor or a list of 1-D int64 tensors, "
+                             f"got {prompts.dtype} {tuple(prompts.shape)}")
+        return prompts.to(device), torch.full((len(prompts),), prompts.shape[1], dtype=torch.long)
+    if not prompts:
+        raise ValueError("prompts: an empty list; pass at least one prompt")
+    bad = [i for i, p in enumerate(prompts) if p.dim() != 1 or p.dtype != torch.int64 or len(p) == 0]
+    if bad:
+        raise ValueError(f"prompts: row {bad[0]} is not a non-empty 1-D int64 tensor of token ids")
+    padded = torch.nn.utils.rnn.pad_sequence(list(prompts), batch_first=True, padding_value=eos_id)
+    return padded.to(device), torch.tensor([len(p) for p in prompts], dtype=torch.long)
+
+
 class RolloutEngine:
     def __init__(self, policy_args, draft_args: DraftArgs | None, tap_layers, max_batch_size: int,
                  max_seq_len: int, device, dtype=torch.bfloat16, *, options: EngineOptions = EngineOptions()):
@@ -247,17 +216,15 @@ class RolloutEngine:
         self._draft_source = None  # the draft module load_weights was given, while not yet copied
         self.draft_refresh_s = 0.0  # seconds of the last draft weight copy (_refresh_draft)
 
-        # What the loop reads once per step (StepStatus), and its fields as views the steps write.
-        self._status = torch.zeros(STATUS_COUNTS + 2 * self.max_k, dtype=torch.long, device=self.device)
-        self._counts = StepStatus.split(self._status, self.max_k)
-        self._eos = torch.zeros((), dtype=torch.long, device=self.device)
+        # The rows' per-slot buffers (none until reserve), the status vector the loop reads and eos.
+        self.row_state = RowState(self.max_k, self.device, dtype,
+                                  self.model.draft.args if self.model.draft is not None else None)
         # Every random draw of generate() comes from this generator, seeded from the caller's.
         self._rng = torch.Generator(self.device)
         self.graphs = StepGraphs(options.cuda_graphs and self.device.type == "cuda", self._rng)
         self.controller = GoodputController(self.max_k)
         self._measured: set[tuple] = set()  # (rows, K, temperature, top_p) of adaptive calls measured
-        self.draft_prefill_s_per_token = 0.0  # the draft's trunk over prompts (_measure_call)
-        self.buffer_rows = self.slots = 0  # the state buffers' rows and cache slots (none yet)
+        self.draft_prefill_s_per_token = 0.0  # the draft's trunk over prompts (measure.measure_call)
         # Decode steps and flushes (at most max_k + 1 queries per row) attend through the decode
         # kernel, which reads each row's live slots only (cached_model._attend): see _step_width.
         self.steps_read_live_slots = (self.device.type == "cuda"
@@ -304,25 +271,13 @@ class RolloutEngine:
         (on CUDA each row's live slots; elsewhere the smallest halving of the slots that holds the
         longest row: under twice its length for any slot count, but at the narrowest level); the
         running mean follows what differs."""
-        if rows <= self.buffer_rows and slots <= self.slots:
+        if rows <= self.row_state.rows and slots <= self.row_state.slots:
             return
-        rows = max(rows, self.buffer_rows)
-        slots = min(max(-(-slots // SLOT_ROUNDING) * SLOT_ROUNDING, self.slots), self.max_slots)
+        rows = max(rows, self.row_state.rows)
+        slots = min(max(-(-slots // SLOT_ROUNDING) * SLOT_ROUNDING, self.row_state.slots), self.max_slots)
         self.release_caches()
         self.model.allocate(rows, slots)
-        zeros = partial(torch.zeros, device=self.device)
-        # Row state lives in slots; _row_of_slot maps a slot to its row of the call (compaction).
-        self._tokens = zeros(rows, slots, dtype=torch.long)  # a verify window writes K + 1 columns
-        self._lengths = zeros(rows, dtype=torch.long)
-        self._limit = zeros(rows, dtype=torch.long)  # prompt + max_new_tokens
-        self._done = zeros(rows, dtype=torch.bool)
-        self._row_of_slot = zeros(rows, dtype=torch.long)
-        if self.model.draft is not None:
-            args = self.model.draft.args
-            self._hidden = zeros(rows, args.dim, dtype=self.dtype)
-            # Taps of up to max_k + 1 K = 0 steps, put into the draft's trunk before the next draft.
-            self._staged_taps = zeros(rows, self.max_k + 1, args.n_taps * args.dim, dtype=self.dtype)
-        self.buffer_rows, self.slots = rows, slots
+        self.row_state.allocate(rows, slots)
 
     def release_caches(self) -> None:
         """Give back the KV caches, every other state buffer and the captured steps with their
@@ -330,24 +285,13 @@ class RolloutEngine:
         to the driver), e.g. while the policy trains. The weights stay; the next `generate`
         allocates again and captures its steps again."""
         self.model.release()
-        self._tokens = self._lengths = self._limit = self._done = self._row_of_slot = None
-        self._hidden = self._staged_taps = None
+        self.row_state.release()
         self.graphs.clear()
-        self.buffer_rows = self.slots = 0
 
     @property
     def cache_bytes(self) -> int:
         """Bytes held by the state buffers now (KV caches, tokens, row state; 0 when released)."""
-        return sum(buffer.nbytes for buffer in self._slot_buffers())
-
-    def _slot_buffers(self) -> list[torch.Tensor]:
-        """Every state buffer indexed by slot (dim 0), for compaction (none when released)."""
-        if not self.buffer_rows:
-            return []
-        buffers = [*self.model.caches(), self._tokens, self._lengths, self._limit, self._done, self._row_of_slot]
-        if self.model.draft is not None:
-            buffers += [self._hidden, self._staged_taps]
-        return buffers
+        return self.row_state.cache_bytes(self.model.caches())
 
     # --- weights -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -423,21 +367,6 @@ class RolloutEngine:
         return speculative_accept_from_logits(draft_ids, draft_logits, logits, target_ids=self._target_ids,
                                               temperature=temperature, top_p=top_p, rng=noise, rule=self._accept_rule)
 
-    def _prompt_batch(self, prompts, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prompts right-padded with eos_id [B, max p_b] on the engine's device, p_b [B] on the host)."""
-        if isinstance(prompts, torch.Tensor):
-            if prompts.dim() != 2 or prompts.dtype != torch.int64:
-                raise ValueError(f"prompts must be an int64 [B, P] tensor or a list of 1-D int64 tensors, "
-                                 f"got {prompts.dtype} {tuple(prompts.shape)}")
-            return prompts.to(self.device), torch.full((len(prompts),), prompts.shape[1], dtype=torch.long)
-        if not prompts:
-            raise ValueError("prompts: an empty list; pass at least one prompt")
-        bad = [i for i, p in enumerate(prompts) if p.dim() != 1 or p.dtype != torch.int64 or len(p) == 0]
-        if bad:
-            raise ValueError(f"prompts: row {bad[0]} is not a non-empty 1-D int64 tensor of token ids")
-        padded = torch.nn.utils.rnn.pad_sequence(list(prompts), batch_first=True, padding_value=eos_id)
-        return padded.to(self.device), torch.tensor([len(p) for p in prompts], dtype=torch.long)
-
     def _check(self, prompt_lengths, max_new_tokens, K, temperature, top_p):
         B = len(prompt_lengths)
         if not 1 <= B <= self.max_batch_size:
@@ -467,20 +396,21 @@ class RolloutEngine:
         response token, the row state, and the draft's trunk over the prompts; in place, no host sync.
         Columns past a row's prompt are padding: their cache slots lie past the row's length, so
         no query attends them before a verify step overwrites them (as after a rollback)."""
-        tokens, lengths, done = self._tokens[:B], self._lengths[:B], self._done[:B]
+        state = self.row_state
+        tokens, lengths, done = state.tokens[:B], state.lengths[:B], state.done[:B]
         rows = torch.arange(B, device=tokens.device)
         prompts = self._in_vocab(tokens[:, :P])
         logits, taps, _ = self.model.policy_forward(prompts, torch.arange(P, device=tokens.device).expand(B, P), width)
         first = sample_from_logits(logits[rows, lengths - 1], temperature, top_p, self._rng)
         tokens[rows, lengths] = first
         lengths += 1
-        done.copy_((first == self._eos) | (lengths >= self._limit[:B]))
-        self._status.zero_()  # nothing staged, nothing counted yet
-        self._counts.running.copy_((~done).sum())
-        self._counts.longest.copy_(lengths.max())
+        done.copy_((first == state.eos) | (lengths >= state.limit[:B]))
+        state.status.zero_()  # nothing staged, nothing counted yet
+        state.counts.running.copy_((~done).sum())
+        state.counts.longest.copy_(lengths.max())
         if draft:  # anchors 0..p_b - 1 (x_{p_b} is the first token); later ones are padding
             next_emb = self.policy.tok_embeddings(self._in_vocab(tokens[:, 1:P + 1]))
-            self._hidden[:B] = self._draft_extend(next_emb, taps, torch.zeros_like(lengths), lengths - 1, width)
+            state.hidden[:B] = self._draft_extend(next_emb, taps, torch.zeros_like(lengths), lengths - 1, width)
 
     def _decode_step(self, shape: StepShape) -> None:
         """One decode step of slots 0..shape.rows-1, in place on the engine's state buffers; no host sync.
@@ -491,15 +421,16 @@ class RolloutEngine:
         stage: keep the taps for a later `_flush_staged` instead).
         """
         B, K, temperature, top_p = shape.rows, shape.k, shape.temperature, shape.top_p
-        tokens, lengths, done, limit = self._tokens[:B], self._lengths[:B], self._done[:B], self._limit[:B]
-        noise = RowNoise(self._rng, shape.full, self._row_of_slot[:B] if B < shape.full else None)
+        state = self.row_state
+        tokens, lengths, done, limit = state.tokens[:B], state.lengths[:B], state.done[:B], state.limit[:B]
+        noise = RowNoise(self._rng, shape.full, state.row_of_slot[:B] if B < shape.full else None)
         dev = tokens.device
         rows = torch.arange(B, device=dev)
         window = torch.arange(K + 1, device=dev)
         n = lengths - 1  # position of the last known token, the first one verified
         verify_in = tokens[rows, n][:, None]
         if K:
-            draft_ids, draft_logits = self._propose(self._hidden[:B], n - 1, K, temperature, top_p, noise, shape.width)
+            draft_ids, draft_logits = self._propose(state.hidden[:B], n - 1, K, temperature, top_p, noise, shape.width)
             verify_in = torch.cat([verify_in, self._target_ids[draft_ids]], dim=1)
         logits, taps, _ = self.model.policy_forward(verify_in, n[:, None] + window, shape.width)
         if K:
@@ -507,14 +438,14 @@ class RolloutEngine:
         else:
             num_accepted, out = torch.zeros_like(lengths), sample_from_logits(logits, temperature, top_p, noise)
         emit = num_accepted + 1
-        is_eos = (out == self._eos) & (window < emit[:, None])
+        is_eos = (out == state.eos) & (window < emit[:, None])
         emit = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, emit)
         emit = torch.minimum(emit, limit - lengths).masked_fill(done, 0)
         # Write the emitted tokens; the other window slots get their old values back.
         columns = lengths[:, None] + window
         tokens.scatter_(1, columns, torch.where(window < emit[:, None], out, tokens.gather(1, columns)))
         running = ~done
-        counts = self._counts
+        counts = state.counts
         counts.verify_rows += running.sum()
         counts.emitted += emit.sum()
         if K:
@@ -526,20 +457,21 @@ class RolloutEngine:
         counts.longest.copy_(lengths.max())
         if K:  # finished rows extend too (harmlessly, past their end): no data-dependent branch
             next_emb = self.policy.tok_embeddings(self._in_vocab(out))
-            self._hidden[:B] = self._draft_extend(next_emb, taps, n, emit.clamp(min=1), shape.width)
+            state.hidden[:B] = self._draft_extend(next_emb, taps, n, emit.clamp(min=1), shape.width)
         elif shape.stage:  # running rows emitted exactly one token: anchor n's taps
-            self._staged_taps[:B].index_copy_(1, counts.staged[None], taps)
+            state.staged_taps[:B].index_copy_(1, counts.staged[None], taps)
             counts.staged += 1
 
     def _flush_staged(self, B: int, width: int) -> None:
         """Pass 1 of the draft at the anchors of the K = 0 steps since its last use (their taps were
         staged; each running row emitted one token per step), so that its trunk and hidden state
         are current again; in place, no host sync. Windows are max_k + 1 wide, the staged part real."""
-        tokens, lengths, staged = self._tokens[:B], self._lengths[:B], self._counts.staged
+        state = self.row_state
+        tokens, lengths, staged = state.tokens[:B], state.lengths[:B], state.counts.staged
         start = (lengths - 1 - staged).clamp(min=0)  # first staged anchor of a running row
-        columns = start[:, None] + 1 + torch.arange(self._staged_taps.shape[1], device=tokens.device)
+        columns = start[:, None] + 1 + torch.arange(state.staged_taps.shape[1], device=tokens.device)
         next_emb = self.policy.tok_embeddings(self._in_vocab(tokens.gather(1, columns)))
-        self._hidden[:B] = self._draft_extend(next_emb, self._staged_taps[:B], start, staged.expand(B), width)
+        state.hidden[:B] = self._draft_extend(next_emb, state.staged_taps[:B], start, staged.expand(B), width)
         staged.zero_()
 
     def _step_width(self, longest: int) -> int:
@@ -552,8 +484,8 @@ class RolloutEngine:
         grew into were captured in the middle of its rollouts). Elsewhere attention reads the first
         `width` slots: the narrowest level that holds the longest row's window."""
         if self.steps_read_live_slots:
-            return self.slots
-        return cache_width(self.slots, longest + self.max_k)
+            return self.row_state.slots
+        return cache_width(self.row_state.slots, longest + self.max_k)
 
     def _bucket(self, running: int, B: int) -> int:
         """Slots to run `running` rows in: the smallest power of two that holds them (at least
@@ -567,78 +499,6 @@ class RolloutEngine:
         calls, not B0: this runs before every adaptive call)."""
         return sorted({self._bucket(running, B0) for running in (*(1 << i for i in range(B0.bit_length())), B0)})
 
-    def measure_steps(self, B0: int, K: int, temperature: float, top_p: float, length: int,
-                      repeats: int = MEASURED_STEPS) -> dict[tuple[int, int], float]:
-        """Capture (on CUDA) and time every decode step a call of B0 rows can run with rows of
-        `length` tokens, each active-row bucket with k = 0..K drafts: {(bucket, k): median seconds
-        of `repeats` replays}, also given to the controller, so that adaptive K starts from
-        measured costs (exploring inside rollouts instead ran each new shape eagerly, then captured
-        it, at tens of ms apiece on the H200, against ~1 ms per replayed step). On CUDA these are
-        all the step shapes and flushes of the call (their width is all slots: _step_width); elsewhere
-        they are timed at the prompts' width.
-        Runs on a dummy state (every row finishes at its first step, so no slot past length + K is
-        written), before a call's prefill and before the call seeds its generator: the call's
-        tokens do not depend on it. The state buffers must hold B0 rows of length + max_k + 1 slots."""
-        width = self._step_width(length)
-        costs = {}
-        self._tokens[:B0].zero_()
-        self._lengths[:B0] = length
-        self._limit[:B0] = length + 1
-        self._done[:B0] = False
-        self._row_of_slot[:B0] = torch.arange(B0, device=self.device)
-        self._hidden[:B0].zero_()
-        timer = DeviceTimer(self.device)
-        for bucket in self._buckets(B0):
-            self._counts.staged.fill_(1)
-            self.graphs.capture_at_next_use(("flush", bucket, width))
-            self.graphs.run(("flush", bucket, width), partial(self._flush_staged, bucket, width))
-            for k in range(K + 1):
-                shape = StepShape(B0, bucket, k, temperature, top_p, stage=not k, width=width)
-                self.graphs.capture_at_next_use(shape)
-                seconds = []
-                while len(seconds) < repeats:
-                    self._counts.staged.zero_()  # a K = 0 step stages into slot 0
-                    with timer():
-                        first = self.graphs.run(shape, partial(self._decode_step, shape))
-                    self._status.tolist()  # the loop's host sync, as in a call
-                    step_seconds = timer.pop_seconds()
-                    if not first:
-                        seconds.append(step_seconds)
-                costs[bucket, k] = sorted(seconds)[len(seconds) // 2]
-                self.controller.observe_cost(bucket, k, costs[bucket, k])
-            # The step of a call that adaptive K runs as plain decoding (no taps staged): captured
-            # too, so that the first such calls do not run eagerly and look slower than they are.
-            plain = StepShape(B0, bucket, 0, temperature, top_p, stage=False, width=width)
-            self.graphs.capture_at_next_use(plain)
-            self.graphs.run(plain, partial(self._decode_step, plain))
-        self._counts.staged.zero_()
-        return costs
-
-    def _measure_draft_prefill(self, B: int, P: int) -> float:
-        """Median seconds per prompt token of the draft's trunk over B dummy prompts of P tokens, as
-        prefill runs it (what a drafting call adds to plain decoding's prefill; the first run compiles
-        or warms up). Its inputs are the size of the prefill's own taps."""
-        width = cache_width(self.slots, P)
-        next_emb = self.policy.tok_embeddings(self._tokens[:B, 1:P + 1])
-        taps = torch.zeros(B, P, self._staged_taps.shape[-1], dtype=self.dtype, device=self.device)
-        start, count = (torch.full((B,), n, dtype=torch.long, device=self.device) for n in (0, P))
-        seconds = [timed(lambda: self._draft_extend(next_emb, taps, start, count, width), self.device)[0]
-                   for _ in range(MEASURED_STEPS + 1)]
-        return sorted(seconds[1:])[MEASURED_STEPS // 2] / (B * P)
-
-    def _measure_call(self, B: int, K: int, temperature: float, top_p: float, P: int) -> None:
-        """What adaptive K reads, measured once per batch size before a call's prefill: every step shape
-        (measure_steps, at the prompts' length) and the draft's prefill over the prompts."""
-        self.measure_steps(B, K, temperature, top_p, P)
-        self.draft_prefill_s_per_token = self._measure_draft_prefill(B, P)
-
-    def _compact(self, B: int, bucket: int) -> None:
-        """Move the running rows (in order, then finished ones to fill the bucket) to slots
-        0..bucket-1 of every state buffer: one gather per buffer, no host sync."""
-        keep = torch.argsort(self._done[:B].to(torch.uint8), stable=True)[:bucket]
-        for buffer in self._slot_buffers():
-            buffer[:bucket] = buffer[:B].index_select(0, keep)
-
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor | list[torch.Tensor], max_new_tokens: int, *,
                  num_speculative_tokens: int, adaptive: bool = False, temperature: float = 1.0,
@@ -651,7 +511,7 @@ class RolloutEngine:
         generator (any device, or None for torch's default) seeds the engine's own generator.
         """
         K = num_speculative_tokens
-        padded, prompt_lengths = self._prompt_batch(prompts, eos_id)
+        padded, prompt_lengths = prompt_batch(prompts, eos_id, self.device)
         self._check(prompt_lengths, max_new_tokens, K, temperature, top_p)
         adaptive = adaptive and K > 0
         timing = dict(measure_s=0.0, prefill_s=0.0, decode_s=0.0)
@@ -661,7 +521,8 @@ class RolloutEngine:
         self.reserve(B, total + self.max_k + 1)
         seed_device = generator.device if generator is not None else "cpu"
         if adaptive and (B, K, temperature, top_p) not in self._measured:
-            timing["measure_s"], _ = timed(lambda: self._measure_call(B, K, temperature, top_p, P), self.device)
+            timing["measure_s"], self.draft_prefill_s_per_token = timed(
+                lambda: measure_call(self, B, K, temperature, top_p, P), self.device)
             self._measured.add((B, K, temperature, top_p))
         drafts = K  # the call's most drafts per step: 0 runs plain decoding (no draft prefill, no taps kept)
         if adaptive:
@@ -715,13 +576,14 @@ class RolloutEngine:
         """The call's rows into the state buffers (prompts right-padded with eos_id, their lengths
         and budgets), then prefill."""
         B, P = padded.shape
-        self._tokens[:B].fill_(eos_id)
-        self._tokens[:B, :P] = padded
-        self._lengths[:B] = prompt_lengths.to(self.device)
-        self._limit[:B] = self._lengths[:B] + max_new_tokens
-        self._row_of_slot[:B] = torch.arange(B, device=self.device)
-        self._eos.fill_(eos_id)
-        width = cache_width(self.slots, P)
+        state = self.row_state
+        state.tokens[:B].fill_(eos_id)
+        state.tokens[:B, :P] = padded
+        state.lengths[:B] = prompt_lengths.to(self.device)
+        state.limit[:B] = state.lengths[:B] + max_new_tokens
+        state.row_of_slot[:B] = torch.arange(B, device=self.device)
+        state.eos.fill_(eos_id)
+        width = cache_width(state.slots, P)
         self.graphs.run(("prefill", B, P, draft, temperature, top_p, width),
                         partial(self._prefill, B, P, draft, temperature, top_p, width))
 
@@ -733,20 +595,22 @@ class RolloutEngine:
         out_tokens = torch.empty(B0, total, dtype=torch.long, device=self.device)
         out_lengths = torch.empty(B0, dtype=torch.long, device=self.device)
 
+        state = self.row_state
+
         def save(B):  # the rows of slots 0..B-1 into the result
-            rows = self._row_of_slot[:B]
-            out_tokens[rows] = self._tokens[:B, :total]
-            out_lengths[rows] = self._lengths[:B]
+            rows = state.row_of_slot[:B]
+            out_tokens[rows] = state.tokens[:B, :total]
+            out_lengths[rows] = state.lengths[:B]
 
         steps_per_k = torch.zeros(K + 1, dtype=torch.long)
         plain_steps: dict[int, float] = {}
         timer = DeviceTimer(self.device)
-        B, status = B0, StepStatus.read(self._status, self.max_k)
+        B, status = B0, state.read_status()
         while status.running:
             bucket = self._bucket(status.running, B)
             if bucket < B:
                 save(B)  # finished rows keep their output; their slots get reused
-                self._compact(B, bucket)
+                state.compact(B, bucket, self.model.caches())
                 B = bucket
             k = self.controller.choose(B, drafts) if adaptive else drafts
             width = self._step_width(status.longest)
@@ -759,7 +623,7 @@ class RolloutEngine:
                     first = self.graphs.run(("flush", B, width), partial(self._flush_staged, B, width))
                 first |= self.graphs.run(shape, partial(self._decode_step, shape))
             steps_per_k[k] += 1
-            previous, status = status, StepStatus.read(self._status, self.max_k)  # the loop's one host sync
+            previous, status = status, state.read_status()  # the loop's one host sync
             plain_steps[B] = plain_steps.get(B, 0.0) + (status.emitted - previous.emitted) / previous.running
             if not adaptive:
                 continue

@@ -6,17 +6,37 @@ engine buffers, with no host synchronisation inside, so it can be captured once 
 eagerly before; elsewhere than CUDA every call runs eagerly. Both run the same code. After the graphs
 are dropped (the engine's buffers given back or grown), a key the previous buffers used that often is
 captured again at its first use; one they used less runs eagerly again (a capture costs more than
-an eager run, which costs more than a replay).
+an eager run, which costs more than a replay). A decode step's key is its `StepShape`: every field
+of it that differs is another graph to capture.
 """
 import ctypes
 import functools
 import gc
 import time
+from dataclasses import dataclass
 
 import torch
 
 # A key (decode-step shape, ...) runs eagerly this many times before it is captured as a CUDA graph.
 CAPTURE_AFTER = 3
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The static shape of a decode step (its CUDA graph key)."""
+    full: int
+    """Rows of the call: random numbers are drawn for all of them (RowNoise)."""
+    rows: int
+    """Slots the step runs: the active-row bucket."""
+    k: int
+    """Draft tokens."""
+    temperature: float
+    top_p: float
+    stage: bool
+    """A K = 0 step keeps its taps for the draft's trunk (adaptive K)."""
+    width: int
+    """Cache slots its attention may read (RolloutEngine._step_width): on CUDA all of them, the decode
+    kernel's chunk count."""
 
 
 class CapturedCall:
