@@ -186,7 +186,7 @@ def test_draft_state_after_prefill_and_stage_flush_equals_training_time_test():
                               generator=torch.Generator().manual_seed(new_tokens))
         assert out.steps_per_k.tolist() == [new_tokens - 1, 0, 0, 0]
         if new_tokens > 1:
-            engine._flush_staged(len(prompts), engine.row_state.slots)
+            engine.flush_staged(len(prompts), engine.row_state.slots)
         seqs = [out.tokens[b, : len(p) + new_tokens] for b, p in enumerate(prompts)]
         _, ref_taps, ref_emb, batch = reference_logits(policy, seqs)
         with torch.no_grad():
@@ -904,7 +904,7 @@ def test_buckets_are_those_the_running_rows_map_to(min_bucket, compact):
     policy, draft, _ = make()
     engine = engine_for(policy, draft, 4, min_bucket=min_bucket, compact=compact)
     for B0 in [*range(1, 301), 512, 513]:
-        assert engine._buckets(B0) == sorted({engine._bucket(running, B0) for running in range(1, B0 + 1)}), B0
+        assert engine.buckets(B0) == sorted({engine._bucket(running, B0) for running in range(1, B0 + 1)}), B0
 
 
 def test_compiled_step_functions_keep_a_graph_per_shape_past_the_default_limit():

@@ -62,7 +62,7 @@ both kinds are timed, the cheaper decides and the other is retried every few cal
 Speed: one decode step (draft K tokens, verify, accept, roll back, extend the draft's trunk) is a
 single function of static-shape tensors that live in engine buffers, with no host
 synchronisation inside. On CUDA it is captured once per `StepShape` (bucket, K, temperature,
-top-p, ...; the cache width is all slots there: `_step_width`) into a CUDA graph and replayed
+top-p, ...; the cache width is all slots there: `step_width`) into a CUDA graph and replayed
 (graphs.py); elsewhere it runs eagerly.
 Both run the same code. The loop reads one small status vector per step (`StepStatus`: running
 rows, the longest row, staged steps, counters). Attention reads only the live part of the caches:
@@ -226,7 +226,7 @@ class RolloutEngine:
         self._measured: set[tuple] = set()  # (rows, K, temperature, top_p) of adaptive calls measured
         self.draft_prefill_s_per_token = 0.0  # the draft's trunk over prompts (measure.measure_call)
         # Decode steps and flushes (at most max_k + 1 queries per row) attend through the decode
-        # kernel, which reads each row's live slots only (cached_model._attend): see _step_width.
+        # kernel, which reads each row's live slots only (cached_model._attend): see step_width.
         self.steps_read_live_slots = (self.device.type == "cuda"
                                       and self.max_k + 1 <= DECODE_KERNEL_MAX_QUERIES)
 
@@ -412,13 +412,13 @@ class RolloutEngine:
             next_emb = self.policy.tok_embeddings(self._in_vocab(tokens[:, 1:P + 1]))
             state.hidden[:B] = self._draft_extend(next_emb, taps, torch.zeros_like(lengths), lengths - 1, width)
 
-    def _decode_step(self, shape: StepShape) -> None:
+    def decode_step(self, shape: StepShape) -> None:
         """One decode step of slots 0..shape.rows-1, in place on the engine's state buffers; no host sync.
 
         Draft K tokens (K = 0: none), verify [x_n, t_1..t_K] at positions n..n+K, accept, emit up
         to the first eos and within the row's budget (finished rows emit nothing), then put the
         trunk keys of the anchors whose next token became known into the draft's cache (K = 0 with
-        stage: keep the taps for a later `_flush_staged` instead).
+        stage: keep the taps for a later `flush_staged` instead).
         """
         B, K, temperature, top_p = shape.rows, shape.k, shape.temperature, shape.top_p
         state = self.row_state
@@ -462,7 +462,7 @@ class RolloutEngine:
             state.staged_taps[:B].index_copy_(1, counts.staged[None], taps)
             counts.staged += 1
 
-    def _flush_staged(self, B: int, width: int) -> None:
+    def flush_staged(self, B: int, width: int) -> None:
         """Pass 1 of the draft at the anchors of the K = 0 steps since its last use (their taps were
         staged; each running row emitted one token per step), so that its trunk and hidden state
         are current again; in place, no host sync. Windows are max_k + 1 wide, the staged part real."""
@@ -474,7 +474,7 @@ class RolloutEngine:
         state.hidden[:B] = self._draft_extend(next_emb, state.staged_taps[:B], start, staged.expand(B), width)
         staged.zero_()
 
-    def _step_width(self, longest: int) -> int:
+    def step_width(self, longest: int) -> int:
         """The cache width of a decode step or flush while the longest row holds `longest` tokens.
         Every slot such a call writes or reads lies below longest + max_k (the verify window, the
         draft's branch and trunk slots). Where attention reads each row's live slots only (the
@@ -493,7 +493,7 @@ class RolloutEngine:
         captures graph sets) at most log2(B / min_bucket) times."""
         return min(B, max(self.min_bucket, 1 << (running - 1).bit_length())) if self.compact else B
 
-    def _buckets(self, B0: int) -> list[int]:
+    def buckets(self, B0: int) -> list[int]:
         """Every bucket a call of B0 rows may run in, ascending. `_bucket` rounds the running rows up
         to a power of two, so the powers of two up to B0, and B0, reach every bucket (in log2(B0)
         calls, not B0: this runs before every adaptive call)."""
@@ -530,7 +530,7 @@ class RolloutEngine:
             # What drafting adds outside the steps: the draft's prefill and, if pending, its weight copy.
             draft_prefill_s = self.draft_prefill_s_per_token * B * P
             overhead_s = draft_prefill_s + (self.draft_refresh_s if self._draft_source is not None else 0.0)
-            if not self.controller.would_draft(self._buckets(B), K, overhead_s=overhead_s):
+            if not self.controller.would_draft(self.buckets(B), K, overhead_s=overhead_s):
                 drafts = 0
         timing["draft_weights_s"] = 0.0
         if drafts and self._draft_source is not None:
@@ -613,15 +613,15 @@ class RolloutEngine:
                 state.compact(B, bucket, self.model.caches())
                 B = bucket
             k = self.controller.choose(B, drafts) if adaptive else drafts
-            width = self._step_width(status.longest)
+            width = self.step_width(status.longest)
             shape = StepShape(B0, B, k, temperature, top_p, stage=adaptive and not k, width=width)
             # Only adaptive K reads step times; a flush is timed with the step it precedes: part of
             # the cost of drafting again.
             with timer() if adaptive else nullcontext():
                 first = False
                 if status.staged and (k or status.staged == self.max_k + 1):
-                    first = self.graphs.run(("flush", B, width), partial(self._flush_staged, B, width))
-                first |= self.graphs.run(shape, partial(self._decode_step, shape))
+                    first = self.graphs.run(("flush", B, width), partial(self.flush_staged, B, width))
+                first |= self.graphs.run(shape, partial(self.decode_step, shape))
             steps_per_k[k] += 1
             previous, status = status, state.read_status()  # the loop's one host sync
             plain_steps[B] = plain_steps.get(B, 0.0) + (status.emitted - previous.emitted) / previous.running

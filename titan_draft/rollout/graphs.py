@@ -35,7 +35,7 @@ class StepShape:
     stage: bool
     """A K = 0 step keeps its taps for the draft's trunk (adaptive K)."""
     width: int
-    """Cache slots its attention may read (RolloutEngine._step_width): on CUDA all of them, the decode
+    """Cache slots its attention may read (RolloutEngine.step_width): on CUDA all of them, the decode
     kernel's chunk count."""
 
 

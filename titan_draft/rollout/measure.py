@@ -3,7 +3,7 @@ step shape the call can run, captured (on CUDA) and timed, and the draft's prefi
 
 The controller then starts from measured costs, so rollouts neither explore nor capture (docs/DESIGN.md
 4.4). Separate from engine.py because the decode loop is read without it: it drives the engine's own
-steps (`_decode_step`, `_flush_staged`, the draft's trunk extension) on a dummy row state, and hands
+steps (`decode_step`, `flush_staged`, the draft's trunk extension) on a dummy row state, and hands
 the costs to the engine's controller.
 """
 from functools import partial
@@ -29,12 +29,12 @@ def measure_steps(engine: "RolloutEngine", B0: int, K: int, temperature: float, 
     of `repeats` replays}, also given to the controller, so that adaptive K starts from
     measured costs (exploring inside rollouts instead ran each new shape eagerly, then captured
     it, at tens of ms apiece on the H200, against ~1 ms per replayed step). On CUDA these are
-    all the step shapes and flushes of the call (their width is all slots: _step_width); elsewhere
+    all the step shapes and flushes of the call (their width is all slots: step_width); elsewhere
     they are timed at the prompts' width.
     Runs on a dummy state (every row finishes at its first step, so no slot past length + K is
     written), before a call's prefill and before the call seeds its generator: the call's
     tokens do not depend on it. The state buffers must hold B0 rows of length + max_k + 1 slots."""
-    width = engine._step_width(length)
+    width = engine.step_width(length)
     costs = {}
     state = engine.row_state
     state.tokens[:B0].zero_()
@@ -44,10 +44,10 @@ def measure_steps(engine: "RolloutEngine", B0: int, K: int, temperature: float, 
     state.row_of_slot[:B0] = torch.arange(B0, device=engine.device)
     state.hidden[:B0].zero_()
     timer = DeviceTimer(engine.device)
-    for bucket in engine._buckets(B0):
+    for bucket in engine.buckets(B0):
         state.counts.staged.fill_(1)
         engine.graphs.capture_at_next_use(("flush", bucket, width))
-        engine.graphs.run(("flush", bucket, width), partial(engine._flush_staged, bucket, width))
+        engine.graphs.run(("flush", bucket, width), partial(engine.flush_staged, bucket, width))
         for k in range(K + 1):
             shape = StepShape(B0, bucket, k, temperature, top_p, stage=not k, width=width)
             engine.graphs.capture_at_next_use(shape)
@@ -55,7 +55,7 @@ def measure_steps(engine: "RolloutEngine", B0: int, K: int, temperature: float, 
             while len(seconds) < repeats:
                 state.counts.staged.zero_()  # a K = 0 step stages into slot 0
                 with timer():
-                    first = engine.graphs.run(shape, partial(engine._decode_step, shape))
+                    first = engine.graphs.run(shape, partial(engine.decode_step, shape))
                 state.status.tolist()  # the loop's host sync, as in a call
                 step_seconds = timer.pop_seconds()
                 if not first:
@@ -66,7 +66,7 @@ def measure_steps(engine: "RolloutEngine", B0: int, K: int, temperature: float, 
         # too, so that the first such calls do not run eagerly and look slower than they are.
         plain = StepShape(B0, bucket, 0, temperature, top_p, stage=False, width=width)
         engine.graphs.capture_at_next_use(plain)
-        engine.graphs.run(plain, partial(engine._decode_step, plain))
+        engine.graphs.run(plain, partial(engine.decode_step, plain))
     state.counts.staged.zero_()
     return costs
 
