@@ -188,8 +188,8 @@ class EagleDraft(nn.Module):
     def forward(self, emb: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor, ttt_steps: int,
                 shift: ShiftFn, attn_fn: AttnFn) -> list[torch.Tensor]:
         """The training forward: draft-vocabulary logits [T, V_draft] of every pass (ttt_forward's states
-        through the head), what ttt_loss scores. One call is the whole draft's work in a training step, so
-        FSDP2 wraps the draft as one unit (parallelize_draft): one gather and one reduction per step."""
+        through the head), what ttt_loss scores. One call is the whole draft's work on a (micro-)batch, so
+        FSDP2 wraps the draft as one unit (parallelize_draft): one gather and one reduction per call."""
         return [self.logits(hidden) for hidden in self.ttt_forward(emb, taps, positions, ttt_steps, shift, attn_fn)]
 
 

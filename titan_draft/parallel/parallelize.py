@@ -272,9 +272,9 @@ def parallelize_draft(draft: nn.Module, dims: ParallelDims, cfg) -> nn.Module:
     if fsdp_wraps(dims, cfg.training.mixed_precision_param, _compat.device()):
         mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_param],
                                   reduce_dtype=TORCH_DTYPE_MAP[cfg.training.mixed_precision_reduce])
-        # One unit: a training step calls the draft's forward once (every TTT pass and its logits), so
-        # its parameters are gathered once and its gradients reduced once. A unit per submodule ran
-        # FSDP's hooks for every call of every pass, which made the small draft's step host-bound.
+        # One unit: each (micro-)batch calls the draft's forward once (every TTT pass and its logits), so
+        # its parameters are gathered once and its gradients reduced once per call; a unit per submodule
+        # runs FSDP's hooks for every submodule in every pass.
         fully_shard(draft, mesh=_fsdp_mesh(dims), mp_policy=mp)
         _average_over_dp(draft, dims)
         _compat.fix_fsdp_reduce_ops(draft)
